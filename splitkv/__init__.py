@@ -1,0 +1,44 @@
+"""splitkv: split-KV (flash-decode) attention for speculative-decoding verify.
+
+Public names:
+
+* :func:`verify_splitkv_fwd` -- drop-in for ``extend_attention_fwd`` that runs
+  the split-KV path or declines (returns ``False``);
+* :func:`verify_attention` -- the production entry: split-KV when the gate
+  allows, else the baseline; validates its input;
+* :func:`can_handle` / :func:`decline_reason` -- the gate;
+* :func:`choose_n_splits` -- the split chooser;
+* :class:`VerifySplitKV` -- the cached runner with fixed scratch;
+* :func:`extend_attention_fwd` -- the baseline prefill/extend kernel;
+* :func:`reference_attention` -- the float64 oracle;
+* :func:`make_problem`, :data:`MODEL_SHAPES` -- problem builders and shapes.
+"""
+
+from .api import get_runner, verify_attention, verify_splitkv_fwd
+from .extend import extend_attention_fwd
+from .gate import can_handle, decline_reason
+from .problem import MODEL_SHAPES, HeadShape, VerifyProblem, make_problem, tree_mask
+from .reference import reference_attention, reference_for, relative_error
+from .runner import VerifySplitKV
+from .splits import choose_n_splits
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "verify_splitkv_fwd",
+    "verify_attention",
+    "get_runner",
+    "can_handle",
+    "decline_reason",
+    "choose_n_splits",
+    "VerifySplitKV",
+    "extend_attention_fwd",
+    "reference_attention",
+    "reference_for",
+    "relative_error",
+    "make_problem",
+    "tree_mask",
+    "VerifyProblem",
+    "HeadShape",
+    "MODEL_SHAPES",
+]

@@ -1,0 +1,145 @@
+"""The gate: does the split-KV path serve this call exactly?
+
+The split path computes exactly what ``extend_attention_fwd`` computes when
+
+* the prefix is fully visible to every draft token (no custom mask on the
+  prefix: ``custom_mask is None`` or ``skip_prefix_custom_mask``),
+* the draft block is causal, fully visible, or given by ``custom_mask``
+  (chains at speculative ``topk == 1`` and trees at ``topk > 1`` alike:
+  stage 1 reads the draft block's mask in the kernel),
+* scores are plain scaled dot products (no ``logit_cap``, no sliding window,
+  no xai temperature), with optional attention ``sinks``.
+
+The gate decides from shapes, dtypes, devices and Python scalars alone. It
+never reads a tensor's values: the verify step runs inside captured CUDA
+graphs, where a device-to-host copy is an error. What it cannot see from
+shapes is the caller's contract, as for ``extend_attention_fwd`` itself:
+``max_len_extend`` is at least every sequence's draft count.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import torch
+
+from .checks import check_verify_inputs
+
+__all__ = ["can_handle", "decline_reason", "MAX_DRAFT_TOKENS"]
+
+#: Most draft tokens per sequence the split path serves; longer extends are
+#: prefills, which the extend kernel's query tiles already parallelise.
+MAX_DRAFT_TOKENS = 64
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def decline_reason(
+    q_extend,
+    k_extend,
+    v_extend,
+    k_buffer,
+    v_buffer,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    custom_mask,
+    is_causal,
+    mask_indptr,
+    max_len_extend,
+    sliding_window_size=-1,
+    sinks=None,
+    logit_cap=0.0,
+    xai_temperature_len=-1,
+    *,
+    skip_prefix_custom_mask=True,
+    window_kv_offsets=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    sm_scale=None,
+    o_extend=None,
+) -> Optional[str]:
+    """Why the split path declines this call, or ``None`` if it serves it.
+
+    Same arguments as :func:`can_handle`.
+    """
+    if logit_cap is not None and logit_cap > 0:
+        return "logit_cap"
+    if sliding_window_size is not None and sliding_window_size > 0:
+        return "sliding window"
+    if window_kv_offsets is not None:
+        return "window_kv_offsets"
+    if xai_temperature_len is not None and xai_temperature_len > 0:
+        return "xai temperature"
+    if custom_mask is not None and not skip_prefix_custom_mask:
+        return "custom mask on the prefix (skip_prefix_custom_mask=False)"
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not _is_real(value):
+            return f"{name} must be a finite Python number (a tensor would need a device read)"
+    if sm_scale is not None and not _is_real(sm_scale):
+        return "sm_scale must be a finite Python number or None"
+    try:
+        dims = check_verify_inputs(
+            q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
+            qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr,
+            max_len_extend, sinks,
+        )
+    except ValueError as err:
+        return f"malformed input: {err}"
+    if not 1 <= max_len_extend <= MAX_DRAFT_TOKENS:
+        return f"max_len_extend {max_len_extend} outside [1, {MAX_DRAFT_TOKENS}]"
+    if dims.num_tokens > dims.batch_size * max_len_extend:
+        return "more draft rows than batch_size * max_len_extend"
+    if q_extend.device.type == "cpu" and q_extend.dtype == torch.bfloat16:
+        return "bfloat16 under the Triton interpreter (its bf16 tl.dot is wrong)"
+    return None
+
+
+def can_handle(
+    q_extend,
+    k_extend,
+    v_extend,
+    k_buffer,
+    v_buffer,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    custom_mask,
+    is_causal,
+    mask_indptr,
+    max_len_extend,
+    sliding_window_size=-1,
+    sinks=None,
+    logit_cap=0.0,
+    xai_temperature_len=-1,
+    *,
+    skip_prefix_custom_mask=True,
+    window_kv_offsets=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    sm_scale=None,
+    o_extend=None,
+) -> bool:
+    """True iff the split-KV path computes exactly what ``extend_attention_fwd`` would.
+
+    Reads shapes, dtypes, devices and Python scalars only (CUDA-graph safe).
+    Positional arguments follow ``extend_attention_fwd`` without ``o_extend``;
+    the rest mirror its keywords. Malformed input is declined, not raised:
+    use :func:`decline_reason` to see why a call is declined.
+    """
+    return (
+        decline_reason(
+            q_extend, k_extend, v_extend, k_buffer, v_buffer,
+            qo_indptr, kv_indptr, kv_indices, custom_mask, is_causal,
+            mask_indptr, max_len_extend, sliding_window_size, sinks,
+            logit_cap, xai_temperature_len,
+            skip_prefix_custom_mask=skip_prefix_custom_mask,
+            window_kv_offsets=window_kv_offsets,
+            k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale, o_extend=o_extend,
+        )
+        is None
+    )
