@@ -14,13 +14,23 @@ Public names:
 * :func:`make_problem`, :data:`MODEL_SHAPES` -- problem builders and shapes.
 """
 
-from .api import get_runner, verify_attention, verify_splitkv_fwd
-from .extend import extend_attention_fwd
-from .gate import can_handle, decline_reason
-from .problem import MODEL_SHAPES, HeadShape, VerifyProblem, make_problem, tree_mask
-from .reference import reference_attention, reference_for, relative_error
-from .runner import VerifySplitKV
-from .splits import choose_n_splits
+import os as _os
+
+import torch as _torch
+
+if not _torch.cuda.is_available():
+    # Without a CUDA device Triton kernels run only through its interpreter,
+    # which triton.jit selects when a kernel is defined: choose it before any
+    # kernel module is imported. An explicit TRITON_INTERPRET wins.
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from .api import get_runner, verify_attention, verify_splitkv_fwd  # noqa: E402
+from .extend import extend_attention_fwd  # noqa: E402
+from .gate import can_handle, decline_reason  # noqa: E402
+from .problem import MODEL_SHAPES, HeadShape, VerifyProblem, make_problem, tree_mask  # noqa: E402
+from .reference import reference_attention, reference_for, relative_error  # noqa: E402
+from .runner import VerifySplitKV  # noqa: E402
+from .splits import choose_n_splits  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -73,49 +73,51 @@ def check_verify_inputs(
     head dims, on a non-unit last-dimension stride, or on CPU tensors outside
     the Triton interpreter.
     """
-    named = {
-        "q_extend": q_extend, "k_extend": k_extend, "v_extend": v_extend,
-        "k_buffer": k_buffer, "v_buffer": v_buffer,
-        "qo_indptr": qo_indptr, "kv_indptr": kv_indptr, "kv_indices": kv_indices,
-    }
+    # Each tensor's attributes are read once: this runs on every eager call.
+    names = ["q_extend", "k_extend", "v_extend", "k_buffer", "v_buffer", "qo_indptr", "kv_indptr", "kv_indices"]
+    tensors = [q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices]
     if o_extend is not None:
-        named["o_extend"] = o_extend
+        names.append("o_extend")
+        tensors.append(o_extend)
     if custom_mask is not None:
-        named["custom_mask"] = custom_mask
         if mask_indptr is None:
             _fail("custom_mask needs mask_indptr")
-        named["mask_indptr"] = mask_indptr
+        names += ["custom_mask", "mask_indptr"]
+        tensors += [custom_mask, mask_indptr]
     if sinks is not None:
-        named["sinks"] = sinks
-    for name, t in named.items():
+        names.append("sinks")
+        tensors.append(sinks)
+    for name, t in zip(names, tensors):
         if not isinstance(t, torch.Tensor):
             _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     device = q_extend.device
-    for name, t in named.items():
+    for name, t in zip(names, tensors):
         if t.device != device:
             _fail(f"{name} is on {t.device}, q_extend on {device}: all inputs must share a device")
     if device.type == "cpu" and not interpreting():
         _fail("CPU tensors run only through the Triton interpreter: set TRITON_INTERPRET=1")
 
-    for name in ("q_extend", "k_extend", "v_extend", "o_extend", "k_buffer", "v_buffer"):
-        t = named.get(name)
-        if t is None:
-            continue
+    dense = list(zip(names[:5], tensors[:5]))
+    if o_extend is not None:
+        dense.append(("o_extend", o_extend))
+    for name, t in dense:
         if t.dim() != 3:
             _fail(f"{name} must be 3-D [tokens, heads, head_dim], got shape {tuple(t.shape)}")
         if t.stride(2) != 1 and t.shape[2] > 1:
             _fail(f"{name} must have a unit stride in its last dimension, got {t.stride()}")
-    for name in ("qo_indptr", "kv_indptr", "kv_indices", "mask_indptr"):
-        t = named.get(name)
-        if t is not None and (t.dim() != 1 or t.dtype not in INDEX_DTYPES):
+    index = list(zip(names[5:8], tensors[5:8]))
+    if custom_mask is not None:
+        index.append(("mask_indptr", mask_indptr))
+    for name, t in index:
+        if t.dim() != 1 or t.dtype not in INDEX_DTYPES:
             _fail(f"{name} must be a 1-D int32/int64 tensor, got {t.dtype} of shape {tuple(t.shape)}")
 
     act = q_extend.dtype
     if act not in ACT_DTYPES:
         _fail(f"q_extend dtype {act} is not supported (float16, bfloat16, float32)")
-    for name in ("k_extend", "v_extend", "o_extend"):
-        if name in named and named[name].dtype != act:
-            _fail(f"{name} is {named[name].dtype} but q_extend is {act}")
+    for name, t in (("k_extend", k_extend), ("v_extend", v_extend), ("o_extend", o_extend)):
+        if t is not None and t.dtype != act:
+            _fail(f"{name} is {t.dtype} but q_extend is {act}")
     if k_buffer.dtype not in KV_DTYPES:
         _fail(f"k_buffer dtype {k_buffer.dtype} is not supported")
     if v_buffer.dtype != k_buffer.dtype:
@@ -124,30 +126,33 @@ def check_verify_inputs(
         _fail(f"custom_mask must be bool or uint8, got {custom_mask.dtype}")
 
     n_tok, h_q, d = q_extend.shape
-    h_kv, dv = k_extend.shape[1], v_extend.shape[2]
+    k_shape, v_shape = k_extend.shape, v_extend.shape
+    h_kv, dv = k_shape[1], v_shape[2]
     if h_kv < 1 or h_q % h_kv:
         _fail(f"{h_q} query heads are not a multiple of {h_kv} KV heads")
-    for name in ("v_extend", "k_buffer", "v_buffer"):
-        if named[name].shape[1] != h_kv:
-            _fail(f"{name} has {named[name].shape[1]} heads, k_extend has {h_kv}")
-    for name in ("k_extend", "v_extend"):
-        if named[name].shape[0] != n_tok:
-            _fail(f"{name} has {named[name].shape[0]} tokens, q_extend has {n_tok}")
-    if k_extend.shape[2] != d or k_buffer.shape[2] != d:
-        _fail(f"head_dim mismatch: q {d}, k_extend {k_extend.shape[2]}, k_buffer {k_buffer.shape[2]}")
-    if v_buffer.shape[2] != dv:
-        _fail(f"v_head_dim mismatch: v_extend {dv}, v_buffer {v_buffer.shape[2]}")
-    if o_extend is not None and tuple(o_extend.shape) != (n_tok, h_q, dv):
+    kb_shape, vb_shape = k_buffer.shape, v_buffer.shape
+    for name, shape in (("v_extend", v_shape), ("k_buffer", kb_shape), ("v_buffer", vb_shape)):
+        if shape[1] != h_kv:
+            _fail(f"{name} has {shape[1]} heads, k_extend has {h_kv}")
+    for name, shape in (("k_extend", k_shape), ("v_extend", v_shape)):
+        if shape[0] != n_tok:
+            _fail(f"{name} has {shape[0]} tokens, q_extend has {n_tok}")
+    if k_shape[2] != d or kb_shape[2] != d:
+        _fail(f"head_dim mismatch: q {d}, k_extend {k_shape[2]}, k_buffer {kb_shape[2]}")
+    if vb_shape[2] != dv:
+        _fail(f"v_head_dim mismatch: v_extend {dv}, v_buffer {vb_shape[2]}")
+    if o_extend is not None and o_extend.shape != (n_tok, h_q, dv):
         _fail(f"o_extend must have shape {(n_tok, h_q, dv)}, got {tuple(o_extend.shape)}")
-    if qo_indptr.shape[0] != kv_indptr.shape[0] or qo_indptr.shape[0] < 2:
+    n_seq = qo_indptr.shape[0]
+    if kv_indptr.shape[0] != n_seq or n_seq < 2:
         _fail(
-            f"qo_indptr ({qo_indptr.shape[0]}) and kv_indptr ({kv_indptr.shape[0]}) "
+            f"qo_indptr ({n_seq}) and kv_indptr ({kv_indptr.shape[0]}) "
             "must both have batch_size + 1 >= 2 entries"
         )
-    bs = qo_indptr.shape[0] - 1
-    if mask_indptr is not None and custom_mask is not None and mask_indptr.shape[0] != bs + 1:
-        _fail(f"mask_indptr must have {bs + 1} entries, got {mask_indptr.shape[0]}")
-    if sinks is not None and tuple(sinks.shape) != (h_q,):
+    bs = n_seq - 1
+    if custom_mask is not None and mask_indptr.shape[0] != n_seq:
+        _fail(f"mask_indptr must have {n_seq} entries, got {mask_indptr.shape[0]}")
+    if sinks is not None and sinks.shape != (h_q,):
         _fail(f"sinks must have shape ({h_q},), got {tuple(sinks.shape)}")
     if max_len_extend is not None:
         if (

@@ -11,8 +11,12 @@ gets weight 0. An attention sink adds ``exp(sink)`` to the denominator only:
 it is a logit with no value row.
 
 The merge is itself an online softmax, over parts instead of keys: one program
-per (token, query head) walks the ``n_splits + 1`` parts in chunks, keeping a
-running maximum so no ``exp`` overflows. Logs are base 2, as in stage 1.
+per (token, query head, slice of the value dimension) walks the
+``n_splits + 1`` parts in chunks of ``BLOCK_S``, keeping a running maximum so
+no ``exp`` overflows. ``BLOCK_S`` covers all parts when they fit a register
+tile, so the loop usually runs once: the merge is one round trip to memory,
+which is what matters at small batch, where it is pure latency. Logs are
+base 2, as in stage 1.
 """
 
 from __future__ import annotations
@@ -34,13 +38,16 @@ def _merge_partials_kernel(
     BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched early: wait here until stage 1 has finished
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
     if t >= tl.load(qo_indptr + batch_size):
         return  # a padding row that belongs to no sequence: leave it alone
 
-    offs_dv = tl.arange(0, BLOCK_DV)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    offs_dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv < V_HEAD_DIM
     row = (t * NUM_Q_HEADS + h) * n_parts  # first part of this (token, head)
 
@@ -72,26 +79,34 @@ def _merge_partials_kernel(
     tl.store(O + t * stride_ot + h * stride_oh + offs_dv, out.to(O.dtype.element_ty), mask=dv_ok)
 
 
-def merge_partials(part_o, part_lse, o_extend, qo_indptr, sinks, *, batch_size: int, n_splits: int):
+def merge_partials(part_o, part_lse, o_extend, qo_indptr, sinks, *, batch_size: int, n_splits: int,
+                   pdl: bool = False):
     """Launch stage 2: write ``o_extend[t, h]`` for every token of every sequence.
 
     Rows of ``o_extend`` past ``qo_indptr[batch_size]`` are not written.
+    ``pdl``: launched as a programmatic dependent of stage 1 (which must
+    have been launched with ``pdl`` too); it waits for stage 1's results.
     """
     n_tok, h_q, v_head_dim = o_extend.shape
-    block_dv = triton.next_power_of_2(v_head_dim)
-    grid = (n_tok, h_q)
+    n_parts = n_splits + 1
+    # All parts in one tile when they fit (<= 8K fp32 values per program).
+    block_s = min(triton.next_power_of_2(n_parts), 128)
+    block_dv = min(triton.next_power_of_2(v_head_dim), max(16, 8192 // block_s))
+    grid = (n_tok, h_q, triton.cdiv(v_head_dim, block_dv))
     _merge_partials_kernel[grid](
         part_o, part_lse, o_extend,
         sinks if sinks is not None else part_lse,  # placeholder pointer, never read
         qo_indptr,
         batch_size,
-        n_splits + 1,
+        n_parts,
         o_extend.stride(0), o_extend.stride(1),
         NUM_Q_HEADS=h_q,
         V_HEAD_DIM=v_head_dim,
         BLOCK_DV=block_dv,
-        BLOCK_S=16 if block_dv <= 256 else 8,
+        BLOCK_S=block_s,
         HAS_SINKS=sinks is not None,
-        num_warps=4 if block_dv >= 128 else 2,
+        USE_PDL=pdl,
+        num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return grid

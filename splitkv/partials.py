@@ -99,6 +99,7 @@ def _split_kv_partials_kernel(
     USE_MASK: tl.constexpr,  # draft visibility from custom_mask
     IS_CAUSAL: tl.constexpr,  # else causal if set, else every draft token visible
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,  # let the merge kernel launch while this grid drains
 ):
     split = tl.program_id(0)
     tile = tl.program_id(1)
@@ -195,6 +196,8 @@ def _split_kv_partials_kernel(
         mask=row_ok[:, None] & dv_ok[None, :],
     )
     tl.store(Part_LSE + slot_row, lse, mask=row_ok)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 class TileConfig:
@@ -241,12 +244,14 @@ def split_kv_partials(
     part_o, part_lse, *,
     batch_size: int, max_len_extend: int, n_splits: int,
     sm_scale: float, k_scale: float, v_scale: float,
-    pack_gqa: bool = True, config: TileConfig,
+    pack_gqa: bool = True, config: TileConfig, pdl: bool = False,
 ):
     """Launch stage 1 over a ``(n_splits + 1, batch x head tiles x m_blocks)`` grid.
 
     ``part_o``/``part_lse`` must hold at least ``num_tokens * H_Q *
-    (n_splits + 1)`` rows; their contents on entry do not matter.
+    (n_splits + 1)`` rows; their contents on entry do not matter. ``pdl``
+    (Hopper and later) lets the next kernel on the stream start launching
+    before this one has drained (programmatic dependent launch).
     """
     n_tok, h_q, head_dim = q_extend.shape
     h_kv, v_head_dim = k_extend.shape[1], v_extend.shape[2]
@@ -283,7 +288,9 @@ def split_kv_partials(
         USE_MASK=use_mask,
         IS_CAUSAL=bool(is_causal),
         DOT_PRECISION="ieee" if q_extend.dtype.is_floating_point and q_extend.element_size() == 4 else None,
+        USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return grid

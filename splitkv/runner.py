@@ -20,6 +20,7 @@ the runner computes it once from the same rule the calls use.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -83,6 +84,13 @@ class VerifySplitKV:
         #: stage-1 programs per sequence and split
         self.head_tiles = (num_q_heads // heads_per_tile) * triton.cdiv(rows, self.config.block_m)
         self.num_sms = device_sm_count(self.device)
+        #: programmatic dependent launch of the merge (Hopper and later GPUs;
+        #: ``SPLITKV_PDL=0`` turns it off)
+        self.pdl = (
+            self.device.type == "cuda"
+            and torch.cuda.get_device_capability(self.device)[0] >= 9
+            and os.environ.get("SPLITKV_PDL", "1") != "0"
+        )
         if n_splits is not None and n_splits < 1:
             raise ValueError(f"n_splits must be positive, got {n_splits}")
         self.fixed_n_splits = n_splits
@@ -140,7 +148,8 @@ class VerifySplitKV:
             part_o, part_lse,
             batch_size=bs, max_len_extend=self.max_len_extend, n_splits=n_splits,
             sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-            pack_gqa=self.pack_gqa, config=self.config,
+            pack_gqa=self.pack_gqa, config=self.config, pdl=self.pdl,
         )
-        merge_partials(part_o, part_lse, o_extend, qo_indptr, sinks, batch_size=bs, n_splits=n_splits)
+        merge_partials(part_o, part_lse, o_extend, qo_indptr, sinks, batch_size=bs, n_splits=n_splits,
+                       pdl=self.pdl)
         return o_extend

@@ -1,0 +1,80 @@
+"""``python -m splitkv demo``: the main job.
+
+Builds verify problems for the labelled model shapes, runs the split-KV path,
+the baseline ``extend_attention_fwd`` and the float64 oracle, and prints one
+row per problem: relative errors, the chosen split count, and times.
+
+On a CUDA GPU it uses real shapes (bf16, prefixes of 4k-64k tokens, timed
+with ``triton.testing.do_bench``). Without one it runs the same code through
+the Triton interpreter (``TRITON_INTERPRET=1``) at small shapes in float16;
+interpreter times measure Python, not a GPU, and are shown only for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from . import MODEL_SHAPES, extend_attention_fwd, get_runner, make_problem, verify_splitkv_fwd
+from .reference import reference_for, relative_error
+
+#: (model, batch, prefix) cases of the demo on a GPU and on a CPU.
+GPU_CASES = [("qwen3-next", 1, 4096), ("llama3-8b", 8, 16384), ("qwen3-32b", 8, 65536)]
+CPU_CASES = [("qwen3-next", 2, 300), ("llama3-8b", 2, 257), ("qwen3-32b", 1, 513)]
+
+
+def _timer(fn, cuda: bool) -> float:
+    """Median µs (do_bench on a GPU; one wall-clock run under the interpreter)."""
+    if cuda:
+        import triton.testing
+
+        return 1e3 * triton.testing.do_bench(fn, return_mode="median")
+    start = time.perf_counter()
+    fn()
+    return 1e6 * (time.perf_counter() - start)
+
+
+def demo(cuda: bool) -> int:
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float16
+    cases = GPU_CASES if cuda else CPU_CASES
+    where = torch.cuda.get_device_name() if cuda else "CPU, Triton interpreter (times are Python, not GPU)"
+    print(f"splitkv demo on {where}; {dtype}, 4 draft tokens, random kv_indices\n")
+    header = f"{'model':<28}{'bs':>3}{'prefix':>8}{'splits':>7}{'err split':>11}{'err extend':>11}{'split us':>11}{'extend us':>11}"
+    print(header)
+    print("-" * len(header))
+    worst = 0.0
+    for model, bs, prefix in cases:
+        s = MODEL_SHAPES[model]
+        p = make_problem([prefix] * bs, 4, s.num_q_heads, s.num_kv_heads, s.head_dim,
+                         dtype=dtype, device=device, seed=0)
+        split_out, base_out = p.new_output(), p.new_output()
+        assert verify_splitkv_fwd(*p.args(split_out), **p.kwargs())
+        extend_attention_fwd(*p.args(base_out), **p.kwargs())
+        ref = reference_for(p)
+        err_split, err_base = relative_error(split_out, ref), relative_error(base_out, ref)
+        worst = max(worst, err_split)
+        runner = get_runner(p.q_extend, p.k_extend, p.v_extend, p.max_len_extend, bs)
+        t_split = _timer(lambda: verify_splitkv_fwd(*p.args(split_out), **p.kwargs()), cuda)
+        t_base = _timer(lambda: extend_attention_fwd(*p.args(base_out), **p.kwargs()), cuda)
+        print(f"{s.name:<28}{bs:>3}{prefix:>8}{runner.n_splits(bs, prefix):>7}"
+              f"{err_split:>11.1e}{err_base:>11.1e}{t_split:>11.0f}{t_base:>11.0f}")
+    tol = 2e-2 if cuda else 3e-3
+    ok = worst < tol
+    print(f"\nerr = ||out - ref|| / ||ref|| against the float64 oracle; worst split-KV error "
+          f"{worst:.1e} ({'within' if ok else 'OVER'} the {dtype} budget {tol:.0e})")
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m splitkv", description="splitkv main job")
+    ap.add_argument("command", choices=["demo"], help="demo: parity and timing table")
+    ap.parse_args(argv)
+    return demo(torch.cuda.is_available())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""GPU-only checks at real sizes: bf16, the labelled model shapes, long prefixes,
+CUDA-graph capture and replay, two streams at once, fp8 pools.
+
+Skipped without CUDA. Run on the H200 with ``pytest -m gpu``.
+"""
+
+import pytest
+import torch
+
+from conftest import CUDA, TOLERANCE, assert_matches_reference, gpu
+from splitkv import (
+    MODEL_SHAPES,
+    VerifySplitKV,
+    extend_attention_fwd,
+    make_problem,
+    reference_for,
+    relative_error,
+    verify_splitkv_fwd,
+)
+
+pytestmark = [gpu, pytest.mark.gpu]
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def model_problem(model, prefix_lens, extend=4, **kwargs):
+    s = MODEL_SHAPES[model]
+    return make_problem(prefix_lens, extend, s.num_q_heads, s.num_kv_heads, s.head_dim, device="cuda", **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", list(MODEL_SHAPES))
+@pytest.mark.parametrize(
+    "prefix_lens", [[1024, 4097, 0, 1], [16384, 333], [65536]], ids=["mixed", "16k", "64k"]
+)
+def test_model_shapes_match_oracle_and_baseline(model, prefix_lens, dtype):
+    p = model_problem(model, prefix_lens, dtype=dtype)
+    out = p.new_output()
+    assert verify_splitkv_fwd(*p.args(out), **p.kwargs())
+    assert_matches_reference(out, p)
+    base = p.new_output()
+    extend_attention_fwd(*p.args(base), **p.kwargs())
+    assert relative_error(base, reference_for(p)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("extend", [1, 3, 5, 8, 16])
+@pytest.mark.parametrize("mask", ["causal", "tree"])
+def test_extend_lengths_and_trees_bf16(extend, mask):
+    p = model_problem("qwen3-32b", [4000, 97, 1], extend, dtype=torch.bfloat16, mask=mask, sinks=True)
+    out = p.new_output()
+    assert verify_splitkv_fwd(*p.args(out), **p.kwargs())
+    assert_matches_reference(out, p)
+
+
+@pytest.mark.parametrize("head_dim,v_head_dim", [(96, 96), (192, 128)])
+def test_odd_head_dims_bf16(head_dim, v_head_dim):
+    p = make_problem([3000, 54], 4, 12, 4, head_dim, v_head_dim, dtype=torch.bfloat16, device="cuda", fused_qkv=False)
+    out = p.new_output()
+    assert verify_splitkv_fwd(*p.args(out), **p.kwargs())
+    assert_matches_reference(out, p)
+
+
+def test_fp8_pool_with_scales():
+    p = model_problem("llama3-8b", [5000, 77], dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn,
+                      k_scale=0.7, v_scale=1.3)
+    out = p.new_output()
+    assert verify_splitkv_fwd(*p.args(out), **p.kwargs())
+    assert_matches_reference(out, p)
+
+
+def _poisoned_runner(p, **kwargs):
+    runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim,
+                           p.max_len_extend, 16, "cuda", **kwargs)
+    for buf in runner.scratch():
+        buf.fill_(float("nan"))
+    return runner
+
+
+def _run(runner, p, out):
+    return runner(*p.args(out)[:9], p.custom_mask, p.mask_indptr, p.is_causal,
+                  sm_scale=p.sm_scale, k_scale=p.k_scale, v_scale=p.v_scale, sinks=p.sinks)
+
+
+@pytest.mark.parametrize("pack_gqa", [True, False])
+def test_nan_poisoned_scratch(pack_gqa):
+    p = model_problem("qwen3-next", [20000, 0, 3, 9000], dtype=torch.bfloat16)
+    runner = _poisoned_runner(p, pack_gqa=pack_gqa)
+    out = p.new_output()
+    _run(runner, p, out)
+    assert_matches_reference(out, p)
+
+
+def test_cuda_graph_capture_then_replay_with_new_data():
+    """Capture once; replay after writing fresh inputs into the same buffers."""
+    p = model_problem("qwen3-32b", [8192, 8000, 5, 7000], dtype=torch.bfloat16)
+    out = p.new_output()
+    args = p.args(out)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up compiles the kernels outside capture
+        assert verify_splitkv_fwd(*args, **p.kwargs(), max_bs=8)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert verify_splitkv_fwd(*args, **p.kwargs(), max_bs=8)
+    for _ in range(3):
+        fresh = model_problem("qwen3-32b", p.prefix_lens, dtype=torch.bfloat16)
+        for name in ("q_extend", "k_extend", "v_extend", "k_buffer", "v_buffer", "kv_indices"):
+            getattr(p, name).copy_(getattr(fresh, name))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches_reference(out, fresh)
+
+
+def test_two_streams_at_once():
+    """The same shape on two streams concurrently: per-stream scratch, no race."""
+    problems = [model_problem("llama3-8b", [30000, 20000], dtype=torch.bfloat16) for _ in range(2)]
+    outs = [p.new_output() for p in problems]
+    refs = [reference_for(p) for p in problems]
+    streams = [torch.cuda.Stream() for _ in problems]
+    for p, s in zip(problems, streams):  # warm-up
+        with torch.cuda.stream(s):
+            verify_splitkv_fwd(*p.args(p.new_output()), **p.kwargs())
+    torch.cuda.synchronize()
+    for _ in range(20):
+        for p, o, s in zip(problems, outs, streams):
+            with torch.cuda.stream(s):
+                assert verify_splitkv_fwd(*p.args(o), **p.kwargs())
+    torch.cuda.synchronize()
+    for o, ref, p in zip(outs, refs, problems):
+        assert relative_error(o, ref) < TOLERANCE[p.q_extend.dtype]
+
+
+def test_cuda_is_there():
+    assert CUDA
