@@ -9,9 +9,12 @@ Public names:
 * :func:`can_handle` / :func:`decline_reason` -- the gate;
 * :func:`choose_n_splits` -- the split chooser;
 * :class:`VerifySplitKV` -- the cached runner with fixed scratch;
+* :func:`get_runner` -- the drop-in's runner cache;
 * :func:`extend_attention_fwd` -- the baseline prefill/extend kernel;
-* :func:`reference_attention` -- the float64 oracle;
-* :func:`make_problem`, :data:`MODEL_SHAPES` -- problem builders and shapes.
+* :func:`reference_attention`, :func:`reference_for`, :func:`relative_error`
+  -- the float64 oracle and the error measure;
+* :func:`make_problem`, :func:`tree_mask`, :class:`VerifyProblem`,
+  :class:`HeadShape`, :data:`MODEL_SHAPES` -- problem builders and shapes.
 """
 
 import os as _os

@@ -34,6 +34,16 @@ def get_runner(q_extend, k_extend, v_extend, max_len_extend: int, max_bs: int) -
     """The cached :class:`VerifySplitKV` for these inputs' head configuration.
 
     Grows (replaces) the cached runner when ``max_bs`` exceeds its capacity.
+
+    Args:
+        q_extend: draft queries (device, query heads and head_dim are read).
+        k_extend: draft keys (KV heads are read).
+        v_extend: draft values (v_head_dim is read).
+        max_len_extend: most draft tokens per sequence.
+        max_bs: most sequences per call.
+
+    Returns:
+        The runner, shared by every call with the same configuration.
     """
     h_q, d = q_extend.shape[1], q_extend.shape[2]
     h_kv, dv = k_extend.shape[1], v_extend.shape[2]
@@ -81,9 +91,11 @@ def verify_splitkv_fwd(
 
     Args:
         q_extend: draft queries ``[tokens, H_Q, D]`` (row strides free, unit last stride).
-        k_extend, v_extend: draft keys/values ``[tokens, H_KV, D or Dv]``.
+        k_extend: draft keys ``[tokens, H_KV, D]``.
+        v_extend: draft values ``[tokens, H_KV, Dv]``.
         o_extend: output ``[tokens, H_Q, Dv]``, written in place.
-        k_buffer, v_buffer: the token pool ``[pool_tokens, H_KV, D or Dv]``.
+        k_buffer: the key pool ``[pool_tokens, H_KV, D]``.
+        v_buffer: the value pool ``[pool_tokens, H_KV, Dv]``.
         qo_indptr: ``[bs + 1]`` draft rows of each sequence.
         kv_indptr: ``[bs + 1]`` ranges of ``kv_indices`` per sequence.
         kv_indices: pool slots of the prefixes, int32 or int64.
@@ -91,12 +103,16 @@ def verify_splitkv_fwd(
         is_causal: causal draft block when ``custom_mask`` is ``None``.
         mask_indptr: ``[bs + 1]`` start of each sequence's mask.
         max_len_extend: most draft tokens of any sequence (Python int).
-        k_scale, v_scale: pool dequantisation multipliers (Python numbers).
+        k_scale: key-pool dequantisation multiplier (a Python number).
+        v_scale: value-pool dequantisation multiplier (a Python number).
         sm_scale: softmax scale, default ``1 / sqrt(D)``.
-        logit_cap, skip_prefix_custom_mask, sliding_window_size,
-        window_kv_offsets, xai_temperature_len: as in ``extend_attention_fwd``;
-            the split path declines the features it does not serve.
+        logit_cap: as in ``extend_attention_fwd``; declined when > 0.
+        skip_prefix_custom_mask: as in ``extend_attention_fwd``; declined when
+            ``False`` with a ``custom_mask``.
+        sliding_window_size: as in ``extend_attention_fwd``; declined when > 0.
         sinks: optional ``[H_Q]`` attention-sink logits.
+        window_kv_offsets: as in ``extend_attention_fwd``; declined when given.
+        xai_temperature_len: as in ``extend_attention_fwd``; declined when > 0.
         max_bs: the largest batch this shape will see (scratch is sized for
             it; default: this batch rounded up to a power of two).
 
@@ -161,8 +177,11 @@ def verify_attention(
 
     Raises:
         ValueError: on malformed input (mismatched devices, dtypes, ranks,
-            head counts or head dims, CPU tensors outside the interpreter).
-        NotImplementedError: for features neither path supports.
+            head counts or head dims, CPU tensors outside the interpreter),
+            and from the baseline for scales held in CUDA tensors or
+            ``xai_temperature_len == 1``.
+        NotImplementedError: for features neither path supports (head dims
+            above 256).
     """
     if o_extend is None:
         o_extend = torch.empty(

@@ -343,7 +343,8 @@ def extend_attention_fwd(
             a device tensor, on a malformed ``window_kv_offsets``, or on
             ``xai_temperature_len == 1`` (its ``log2`` is 0).
         NotImplementedError: if ``head_dim`` or ``v_head_dim`` exceeds
-            :data:`MAX_HEAD_DIM`.
+            :data:`MAX_HEAD_DIM`, or for bfloat16 under the Triton interpreter
+            (its bf16 ``tl.dot`` returns garbage, triton-lang/triton#11584).
     """
     dims = check_verify_inputs(
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
@@ -355,6 +356,11 @@ def extend_attention_fwd(
         raise NotImplementedError(
             f"head_dim {dims.head_dim} / v_head_dim {dims.v_head_dim}: the extend "
             f"kernel holds a whole head in one tile and supports up to {MAX_HEAD_DIM}"
+        )
+    if q_extend.device.type == "cpu" and torch.bfloat16 in (q_extend.dtype, k_buffer.dtype):
+        raise NotImplementedError(
+            "bfloat16 under the Triton interpreter: its bf16 tl.dot returns garbage "
+            "(triton-lang/triton#11584); use float16/float32 on the CPU, bfloat16 on a GPU"
         )
     if xai_temperature_len == 1:
         raise ValueError("xai_temperature_len must be <= 0 (off) or >= 2: log2(1) is 0")

@@ -66,6 +66,10 @@ def decline_reason(
     """Why the split path declines this call, or ``None`` if it serves it.
 
     Same arguments as :func:`can_handle`.
+
+    Returns:
+        A short reason (``"logit_cap"``, ``"malformed input: ..."``, ...), or
+        ``None`` when the split path serves the call exactly.
     """
     if logit_cap is not None and logit_cap > 0:
         return "logit_cap"
@@ -127,9 +131,37 @@ def can_handle(
     """True iff the split-KV path computes exactly what ``extend_attention_fwd`` would.
 
     Reads shapes, dtypes, devices and Python scalars only (CUDA-graph safe).
-    Positional arguments follow ``extend_attention_fwd`` without ``o_extend``;
-    the rest mirror its keywords. Malformed input is declined, not raised:
-    use :func:`decline_reason` to see why a call is declined.
+    Malformed input is declined, not raised: use :func:`decline_reason` to
+    see why a call is declined. The positional order is the seed's
+    ``can_handle`` (``extend_attention_fwd``'s first arguments without
+    ``o_extend``, then four feature flags); the rest are keywords.
+
+    Args:
+        q_extend: draft queries ``[tokens, H_Q, D]``.
+        k_extend: draft keys ``[tokens, H_KV, D]``.
+        v_extend: draft values ``[tokens, H_KV, Dv]``.
+        k_buffer: the key pool ``[pool_tokens, H_KV, D]``.
+        v_buffer: the value pool ``[pool_tokens, H_KV, Dv]``.
+        qo_indptr: ``[bs + 1]`` draft rows per sequence.
+        kv_indptr: ``[bs + 1]`` ranges of ``kv_indices`` per sequence.
+        kv_indices: prefix slots in the pool.
+        custom_mask: ``None`` or the flat tree mask.
+        is_causal: causal draft block when there is no ``custom_mask``.
+        mask_indptr: ``[bs + 1]`` start of each sequence's mask.
+        max_len_extend: most draft tokens of any sequence (in ``[1, 64]``).
+        sliding_window_size: declined when > 0.
+        sinks: ``None`` or ``[H_Q]`` sink logits (served).
+        logit_cap: declined when > 0.
+        xai_temperature_len: declined when > 0.
+        skip_prefix_custom_mask: declined when ``False`` with a ``custom_mask``.
+        window_kv_offsets: declined when given.
+        k_scale: must be a finite Python number.
+        v_scale: must be a finite Python number.
+        sm_scale: ``None`` or a finite Python number.
+        o_extend: the output, checked when given.
+
+    Returns:
+        ``True`` when the split path serves the call exactly.
     """
     return (
         decline_reason(

@@ -24,17 +24,16 @@ def _best(rec):
 
 def plot_benchmark(result: dict, folder: str = "figures", tag: str = "h200") -> List[str]:
     """Roofline (achieved GB/s vs KV bytes) and speedup bars; returns the paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # Figure objects directly: no pyplot state, no backend switch in notebooks.
+    from matplotlib.figure import Figure
 
     os.makedirs(folder, exist_ok=True)
     rows = result["rows"]
     bw = result["read_bandwidth"] / 1e9
     paths = []
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
     for name, (color, label) in IMPL_STYLE.items():
         pts = [(r["kv_bytes"], r["kv_bytes"] / (_best(r["impls"][name]) * 1e-6) / 1e9)
                for r in rows if name in r["impls"] and _best(r["impls"][name])]
@@ -52,12 +51,12 @@ def plot_benchmark(result: dict, folder: str = "figures", tag: str = "h200") -> 
     path = os.path.join(folder, f"roofline_{tag}.png")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     paths.append(path)
 
     peers = [n for n in IMPL_STYLE if n != "splitkv" and any(n in r["impls"] for r in rows)]
     labels = [f"{r['model']}\nbs{r['batch']} {r['prefix'] // 1024}k" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(rows)), 5))
+    fig = Figure(figsize=(max(8, 0.45 * len(rows)), 5))
+    ax = fig.subplots()
     width = 0.8 / max(1, len(peers))
     for i, name in enumerate(peers):
         ys = []
@@ -76,6 +75,5 @@ def plot_benchmark(result: dict, folder: str = "figures", tag: str = "h200") -> 
     fig.tight_layout()
     path = os.path.join(folder, f"speedup_{tag}.png")
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     paths.append(path)
     return paths

@@ -161,6 +161,12 @@ def tree_mask(parents: Sequence[int]) -> torch.Tensor:
     which must be token 0; parents precede their children). Token ``i`` sees
     token ``j`` iff ``j`` is ``i`` or one of its ancestors. A chain
     (``parents = [-1, 0, 1, ...]``) gives the causal lower triangle.
+
+    Returns:
+        The ``[L, L]`` visibility matrix.
+
+    Raises:
+        ValueError: if token 0 is not the root or a parent follows its child.
     """
     n = len(parents)
     visible = torch.zeros(n, n, dtype=torch.bool)
@@ -213,8 +219,10 @@ def make_problem(
     Args:
         prefix_lens: prefix length of each sequence (0 allowed).
         extend_lens: draft tokens per sequence (an int, or one per sequence).
-        num_q_heads, num_kv_heads, head_dim, v_head_dim: head configuration
-            (``v_head_dim`` defaults to ``head_dim``).
+        num_q_heads: query heads.
+        num_kv_heads: KV heads (divides ``num_q_heads``).
+        head_dim: query/key head dimension.
+        v_head_dim: value head dimension (defaults to ``head_dim``).
         dtype: dtype of queries, draft K/V and the output.
         kv_dtype: dtype of the token pool (defaults to ``dtype``).
         mask: ``"causal"`` (chain, ``is_causal=True``, no custom mask),
@@ -227,9 +235,16 @@ def make_problem(
         fused_qkv: make q/k/v views into one fused ``[tokens, (Hq+2Hkv)*D]``
             projection output, as a model's QKV linear produces them (so their
             row strides are not ``H*D``); needs ``v_head_dim == head_dim``.
-        k_scale, v_scale: KV-pool dequantisation multipliers.
+        k_scale: key-pool dequantisation multiplier.
+        v_scale: value-pool dequantisation multiplier.
         sinks: draw one attention-sink logit per query head.
         seed: seed a private generator (fresh, unseeded data by default).
+
+    Returns:
+        A :class:`VerifyProblem` on ``device``.
+
+    Raises:
+        ValueError: on inconsistent head counts, lengths or an unknown mask kind.
     """
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError("num_q_heads must be a positive multiple of num_kv_heads")

@@ -41,7 +41,10 @@ class VerifySplitKV:
     """Split-KV verify attention for one head configuration.
 
     Args:
-        num_q_heads, num_kv_heads, head_dim, v_head_dim: head configuration.
+        num_q_heads: query heads.
+        num_kv_heads: KV heads (divides ``num_q_heads``).
+        head_dim: query/key head dimension.
+        v_head_dim: value head dimension.
         max_len_extend: most draft tokens per sequence.
         max_bs: most sequences per call; scratch is sized for it.
         device: where the scratch lives.
@@ -102,7 +105,15 @@ class VerifySplitKV:
         self._scratch = {}
 
     def n_splits(self, batch_size: int, prefix_len: int) -> int:
-        """Prefix slices this runner uses for a batch (static shapes only)."""
+        """Prefix slices this runner uses for a batch (static shapes only).
+
+        Args:
+            batch_size: sequences in the call.
+            prefix_len: representative prefix length (``kv_indices.shape[0] // batch_size``).
+
+        Returns:
+            The fixed split count if one was given, else :func:`splitkv.choose_n_splits`'s.
+        """
         if self.fixed_n_splits is not None:
             return self.fixed_n_splits
         return choose_n_splits(batch_size, self.head_tiles, prefix_len, self.num_sms)
@@ -134,7 +145,18 @@ class VerifySplitKV:
         sm_scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
         sinks=None,
     ):
-        """Run both stages. Inputs must have passed :func:`splitkv.can_handle`."""
+        """Run both stages. Inputs must have passed :func:`splitkv.can_handle`.
+
+        Takes ``extend_attention_fwd``'s tensors (see
+        :func:`splitkv.verify_splitkv_fwd`) and Python-number scales.
+
+        Returns:
+            ``o_extend``, written.
+
+        Raises:
+            ValueError: if the batch exceeds ``max_bs`` or holds more draft
+                rows than ``batch x max_len_extend``.
+        """
         bs = qo_indptr.shape[0] - 1
         if bs > self.max_bs:
             raise ValueError(f"batch of {bs} exceeds this runner's max_bs={self.max_bs}")

@@ -285,6 +285,14 @@ def test_verify_attention_is_always_right(features):
     assert_matches_reference(out, p, **features)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's bf16 limit")
+def test_bf16_under_the_interpreter_is_refused_not_wrong():
+    p = make_problem([54], 4, 4, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    assert decline_reason(*_gate_args(p)).startswith("bfloat16")
+    with pytest.raises(NotImplementedError, match="bfloat16"):
+        verify_attention(*p.args(None), **p.kwargs())
+
+
 # --- randomised property test ------------------------------------------------
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
