@@ -102,6 +102,12 @@ class VerifySplitKV:
             bs * max_len_extend * num_q_heads * (self.n_splits(bs, _UNBOUNDED_PREFIX) + 1)
             for bs in range(1, max_bs + 1)
         )
+        if self.capacity * v_head_dim >= 2**31:
+            # The kernels index scratch with 32-bit offsets.
+            raise ValueError(
+                f"scratch of {self.capacity} rows x {v_head_dim} exceeds 2^31 elements: "
+                "lower max_bs or max_len_extend"
+            )
         self._scratch = {}
 
     def n_splits(self, batch_size: int, prefix_len: int) -> int:

@@ -180,6 +180,11 @@ def test_runner_scratch_fixed_across_batch_sizes():
         runner(*p.args(p.new_output())[:9], sm_scale=p.sm_scale)
 
 
+def test_runner_refuses_scratch_past_32_bit_offsets():
+    with pytest.raises(ValueError, match="2\\^31"):
+        VerifySplitKV(128, 1, 256, 256, 64, max_bs=8192, device=DEVICE)
+
+
 def test_drop_in_reuses_one_runner_per_shape():
     from splitkv.api import _RUNNERS
 
@@ -189,6 +194,20 @@ def test_drop_in_reuses_one_runner_per_shape():
     for bs in (1, 3, 8):
         run_split(make_problem([30] * bs, **shapes), max_bs=8)
     assert len(_RUNNERS) == count
+
+
+def test_outgrown_runner_is_kept_alive():
+    """A larger max_bs replaces the cached runner; the old scratch stays allocated
+    (CUDA graphs captured with it keep valid addresses)."""
+    from splitkv.api import _RETIRED, get_runner
+
+    p = make_problem([30], 3, 6, 3, 16, device=DEVICE)
+    small = get_runner(p.q_extend, p.k_extend, p.v_extend, 3, max_bs=2)
+    small.scratch()
+    big = get_runner(p.q_extend, p.k_extend, p.v_extend, 3, max_bs=64)
+    assert big is not small and big.capacity > small.capacity
+    assert any(r is small for r in _RETIRED)
+    assert get_runner(p.q_extend, p.k_extend, p.v_extend, 3, max_bs=5) is big
 
 
 # --- the gate --------------------------------------------------------------
