@@ -45,9 +45,13 @@ from .partials import TileConfig
 
 __all__ = ["BENCH_BATCHES", "BENCH_PREFIXES", "IMPLEMENTATIONS", "run_benchmark", "format_table", "format_markdown", "main"]
 
+#: Batch sizes of the sweep.
 BENCH_BATCHES = (1, 8, 32)
+#: Prefix lengths of the sweep (tokens per sequence).
 BENCH_PREFIXES = (1024, 4096, 16384, 65536)
+#: The implementations timed, in table order.
 IMPLEMENTATIONS = ("splitkv", "seed", "extend", "flex", "sdpa")
+#: Draft tokens per sequence (a causal chain).
 DRAFT_TOKENS = 4
 #: Skip shapes whose pool would exceed this many bytes (KV + dense copies).
 MEMORY_BUDGET = 60 * 2**30
@@ -166,6 +170,7 @@ def _time(fn: Callable, graph: bool) -> Optional[float]:
 
 
 def bench_shapes(models, batches, prefixes) -> List[dict]:
+    """The (model, batch, prefix) rows of a sweep that fit :data:`MEMORY_BUDGET`."""
     rows = []
     for model in models:
         s = MODEL_SHAPES[model]
@@ -247,6 +252,7 @@ def run_benchmark(models=tuple(MODEL_SHAPES), batches=BENCH_BATCHES, prefixes=BE
 
 
 def best_time(rec: dict) -> Optional[float]:
+    """The better of an implementation's eager and graph times (µs), if any."""
     times = [t for t in (rec.get("eager"), rec.get("graph")) if t]
     return min(times) if times else None
 
@@ -316,6 +322,7 @@ def format_markdown(result: dict) -> str:
 
 
 def main(argv=None):
+    """The ``python -m splitkv.bench`` command line."""
     ap = argparse.ArgumentParser(prog="python -m splitkv.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODEL_SHAPES), choices=list(MODEL_SHAPES))
     ap.add_argument("--batches", nargs="+", type=int, default=list(BENCH_BATCHES))

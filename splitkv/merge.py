@@ -86,6 +86,19 @@ def merge_partials(part_o, part_lse, o_extend, qo_indptr, sinks, *, batch_size: 
     Rows of ``o_extend`` past ``qo_indptr[batch_size]`` are not written.
     ``pdl``: launched as a programmatic dependent of stage 1 (which must
     have been launched with ``pdl`` too); it waits for stage 1's results.
+
+    Args:
+        part_o: stage 1's partial outputs (float32 scratch).
+        part_lse: stage 1's base-2 LSEs (float32 scratch).
+        o_extend: the output ``[tokens, H_Q, Dv]``, written in place.
+        qo_indptr: ``[bs + 1]`` draft rows of each sequence.
+        sinks: ``[H_Q]`` sink logits, or ``None``.
+        batch_size: sequences in the call.
+        n_splits: prefix slices stage 1 used.
+        pdl: see above.
+
+    Returns:
+        The launch grid ``(tokens, H_Q, value-dimension blocks)``.
     """
     n_tok, h_q, v_head_dim = o_extend.shape
     n_parts = n_splits + 1

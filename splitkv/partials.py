@@ -201,7 +201,14 @@ def _split_kv_partials_kernel(
 
 
 class TileConfig:
-    """Launch shape of the partials kernel (performance only, never results)."""
+    """Launch shape of the partials kernel (performance only, never results).
+
+    Attributes:
+        block_m: query rows per tile (a power of two, at least 16).
+        block_n: prefix keys per loop step.
+        num_warps: warps per program.
+        num_stages: software-pipelining depth of the key loop.
+    """
 
     __slots__ = ("block_m", "block_n", "num_warps", "num_stages")
 
@@ -217,7 +224,15 @@ class TileConfig:
 
 
 def rows_per_tile(heads_per_tile: int, max_len_extend: int) -> int:
-    """Query rows one (sequence, head tile) needs: heads x draft tokens."""
+    """Query rows one (sequence, head tile) needs: heads x draft tokens.
+
+    Args:
+        heads_per_tile: query heads per program (the GQA group when packed, else 1).
+        max_len_extend: most draft tokens per sequence.
+
+    Returns:
+        ``heads_per_tile * max_len_extend``.
+    """
     return heads_per_tile * max_len_extend
 
 
@@ -228,6 +243,15 @@ def tile_config(head_dim: int, v_head_dim: int, rows: int, interpret: bool = Fal
     most 64 to bound the fp32 accumulator ``BLOCK_M x DV``). Wide heads take
     narrower key tiles so K, V and the accumulator fit the register file;
     three pipeline stages keep several gathers in flight.
+
+    Args:
+        head_dim: query/key head dimension.
+        v_head_dim: value head dimension.
+        rows: query rows per (sequence, head tile), see :func:`rows_per_tile`.
+        interpret: small tiles for the Triton interpreter.
+
+    Returns:
+        The :class:`TileConfig`.
     """
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     if interpret:
@@ -247,6 +271,10 @@ def split_kv_partials(
     pack_gqa: bool = True, config: TileConfig, pdl: bool = False,
 ):
     """Launch stage 1 over a ``(n_splits + 1, batch x head tiles x m_blocks)`` grid.
+
+    Takes ``extend_attention_fwd``'s tensors (see :func:`splitkv.verify_splitkv_fwd`),
+    the scratch, the batch size, the split count, the scales and the tile shape;
+    returns the launch grid.
 
     ``part_o``/``part_lse`` must hold at least ``num_tokens * H_Q *
     (n_splits + 1)`` rows; their contents on entry do not matter. ``pdl``

@@ -37,7 +37,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class HeadShape:
-    """Attention head configuration of one model (per tensor-parallel rank = 1)."""
+    """Attention head configuration of one model (per tensor-parallel rank = 1).
+
+    Attributes:
+        name: the model, as labelled in tables and plots.
+        num_q_heads: query heads.
+        num_kv_heads: key/value heads.
+        head_dim: dimension of every head.
+    """
 
     name: str
     num_q_heads: int
@@ -65,6 +72,26 @@ class VerifyProblem:
     ``args(o)`` returns the positional arguments shared by
     :func:`splitkv.extend_attention_fwd` and :func:`splitkv.verify_splitkv_fwd`
     (``q_extend ... v_scale``); ``kwargs()`` the keyword ones.
+
+    Attributes:
+        q_extend: draft queries ``[tokens, H_Q, D]``.
+        k_extend: draft keys ``[tokens, H_KV, D]``.
+        v_extend: draft values ``[tokens, H_KV, Dv]``.
+        k_buffer: the key pool ``[pool_tokens, H_KV, D]``.
+        v_buffer: the value pool ``[pool_tokens, H_KV, Dv]``.
+        qo_indptr: ``[bs + 1]`` draft rows of each sequence (int32).
+        kv_indptr: ``[bs + 1]`` ranges of ``kv_indices`` (int32).
+        kv_indices: prefix slots in the pool (int32 or int64).
+        custom_mask: the flat draft-tree mask, or ``None``.
+        mask_indptr: ``[bs + 1]`` start of each sequence's mask, or ``None``.
+        is_causal: causal draft block when there is no ``custom_mask``.
+        max_len_extend: most draft tokens of any sequence.
+        k_scale: key-pool dequantisation multiplier.
+        v_scale: value-pool dequantisation multiplier.
+        sm_scale: softmax scale (``1 / sqrt(D)``).
+        sinks: ``[H_Q]`` sink logits (float32), or ``None``.
+        prefix_lens: host list of prefix lengths.
+        extend_lens: host list of draft counts.
     """
 
     q_extend: torch.Tensor

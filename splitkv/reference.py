@@ -55,10 +55,15 @@ def reference_attention(
     xai_temperature_len: int = -1,
     return_lse: bool = False,
 ):
-    """Float64 verify attention. Returns ``[tokens, H_Q, Dv]`` float64.
+    """Float64 verify attention, the semantics of the module docstring.
 
-    With ``return_lse=True`` also returns the natural-log log-sum-exp of the
-    (scaled, masked) scores, ``[tokens, H_Q]`` (sinks included).
+    Takes ``extend_attention_fwd``'s arguments (without ``o_extend`` and
+    ``max_len_extend``), with the same meaning.
+
+    Returns:
+        ``[tokens, H_Q, Dv]`` float64; with ``return_lse=True`` also the
+        natural-log log-sum-exp of the (scaled, masked) scores, ``[tokens,
+        H_Q]`` (sinks included). Rows with no visible key are NaN.
     """
     f64 = torch.float64
     n_tok, h_q, d = q_extend.shape
@@ -126,7 +131,16 @@ def reference_attention(
 
 
 def reference_for(problem: VerifyProblem, **overrides):
-    """:func:`reference_attention` of a :class:`~splitkv.problem.VerifyProblem`."""
+    """:func:`reference_attention` of a :class:`~splitkv.problem.VerifyProblem`.
+
+    Args:
+        problem: the problem.
+        **overrides: keyword arguments of :func:`reference_attention` to change
+            (``logit_cap=...``, ``return_lse=True``, ...).
+
+    Returns:
+        What :func:`reference_attention` returns.
+    """
     p = problem
     kwargs = dict(
         custom_mask=p.custom_mask,
@@ -145,7 +159,15 @@ def reference_for(problem: VerifyProblem, **overrides):
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``||out - ref|| / ||ref||`` in float64; ``inf`` if ``out`` has NaN/inf."""
+    """``||out - ref|| / ||ref||`` in float64.
+
+    Args:
+        out: the result to judge (any dtype and device).
+        ref: the reference.
+
+    Returns:
+        The relative error, or ``inf`` if ``out`` holds NaN or inf.
+    """
     out = out.to(torch.float64)
     ref = ref.to(device=out.device, dtype=torch.float64)
     if not torch.isfinite(out).all():
