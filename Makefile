@@ -1,15 +1,17 @@
 # splitkv: one-command set-up and runs. `make demo` and `make test` work on a fresh machine.
 PYTHON ?= python3
 VENV   ?= .venv
-# torch 2.13.0 resolves to the CPU build kept on this project's machines; on a
-# GPU machine that already has torch, use `make ... TORCH=` to keep it.
+# torch 2.13.0 resolves to the CPU build kept on this project's machines. On a
+# GPU machine whose Python already has torch, keep it:
+#   make demo TORCH= VENV_FLAGS=--system-site-packages
 TORCH  ?= torch==2.13.0
+VENV_FLAGS ?=
 BIN    := $(VENV)/bin
 
 .PHONY: demo test test-py test-notebooks docs docs-build serve-docs bench setup setup-all
 
 $(BIN)/activate:
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
 setup: $(BIN)/activate
