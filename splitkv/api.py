@@ -15,7 +15,6 @@ alive: CUDA graphs captured with its scratch keep valid addresses.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 

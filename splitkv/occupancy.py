@@ -113,7 +113,7 @@ def head_tiles(
 
     With GQA packing a head tile is a KV head whose ``GROUP x L`` query rows
     are cut into ``cdiv(GROUP x L, block_m)`` row tiles; without packing it is
-    one query head of ``L`` rows. Equals :attr:`splitkv.VerifySplitKV.head_tiles`.
+    one query head of ``L`` rows. :class:`splitkv.VerifySplitKV` sizes its launches with it.
     """
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError("num_q_heads must be a positive multiple of num_kv_heads")

@@ -24,10 +24,10 @@ import os
 from typing import Optional
 
 import torch
-import triton
 
 from .checks import interpreting
 from .merge import merge_partials
+from .occupancy import head_tiles
 from .partials import TileConfig, rows_per_tile, split_kv_partials, tile_config
 from .splits import choose_n_splits, device_sm_count
 
@@ -85,7 +85,9 @@ class VerifySplitKV:
         rows = rows_per_tile(heads_per_tile, max_len_extend)
         self.config = config or tile_config(head_dim, v_head_dim, rows, interpreting())
         #: stage-1 programs per sequence and split
-        self.head_tiles = (num_q_heads // heads_per_tile) * triton.cdiv(rows, self.config.block_m)
+        self.head_tiles = head_tiles(
+            num_q_heads, num_kv_heads, max_len_extend, self.config.block_m, pack_gqa
+        )
         self.num_sms = device_sm_count(self.device)
         #: programmatic dependent launch of the merge (Hopper and later GPUs;
         #: ``SPLITKV_PDL=0`` turns it off)
