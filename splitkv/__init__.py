@@ -30,8 +30,6 @@ if not _torch.cuda.is_available():
 from .api import get_runner, verify_attention, verify_splitkv_fwd  # noqa: E402
 from .extend import extend_attention_fwd  # noqa: E402
 from .gate import can_handle, decline_reason  # noqa: E402
-from .problem import MODEL_SHAPES, HeadShape, VerifyProblem, make_problem, tree_mask  # noqa: E402
-from .reference import reference_attention, reference_for, relative_error  # noqa: E402
 from .runner import VerifySplitKV  # noqa: E402
 from .splits import choose_n_splits  # noqa: E402
 
@@ -46,12 +44,4 @@ __all__ = [
     "choose_n_splits",
     "VerifySplitKV",
     "extend_attention_fwd",
-    "reference_attention",
-    "reference_for",
-    "relative_error",
-    "make_problem",
-    "tree_mask",
-    "VerifyProblem",
-    "HeadShape",
-    "MODEL_SHAPES",
 ]

@@ -20,7 +20,7 @@ import warnings
 import torch
 
 from . import MODEL_SHAPES, extend_attention_fwd, get_runner, make_problem, verify_splitkv_fwd
-from .reference import reference_for, relative_error
+from .testing.reference import reference_for, relative_error
 
 #: (model, batch, prefix) cases of the demo on a GPU and on a CPU.
 GPU_CASES = [("qwen3-next", 1, 4096), ("llama3-8b", 8, 16384), ("qwen3-32b", 8, 65536)]

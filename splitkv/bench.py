@@ -38,8 +38,8 @@ import torch
 
 from .api import verify_splitkv_fwd
 from .extend import extend_attention_fwd
-from .problem import MODEL_SHAPES, VerifyProblem, make_problem
-from .reference import relative_error
+from .testing.problem import MODEL_SHAPES, VerifyProblem, make_problem
+from .testing.reference import relative_error
 from .runner import VerifySplitKV
 from .partials import TileConfig
 

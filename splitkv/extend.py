@@ -1,6 +1,6 @@
 """The baseline: SGLang-style extend (prefill) attention used for target verify.
 
-:func:`extend_attention_fwd` computes what :mod:`splitkv.reference` specifies
+:func:`extend_attention_fwd` computes what :mod:`splitkv.testing.reference` specifies
 with one Triton kernel shaped like SGLang's prefill/extend kernel: a program
 per ``(sequence, query head, block of BLOCK_M draft tokens)`` loads its query
 tile once, then walks the sequence's *whole* cached prefix serially in tiles
@@ -291,7 +291,7 @@ def extend_attention_fwd(
 
     The baseline kernel: one program per (sequence, query head, block of
     draft tokens) walks the whole prefix. Semantics are those of SGLang's
-    ``extend_attention_fwd`` as written out in :mod:`splitkv.reference`.
+    ``extend_attention_fwd`` as written out in :mod:`splitkv.testing.reference`.
     Writes ``o_extend`` in place; reads no tensor values on the host, so the
     call can be captured in a CUDA graph.
 

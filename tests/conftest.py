@@ -11,7 +11,7 @@ if not CUDA:
     # triton.jit reads this when the kernels are defined, so set it first.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from splitkv.reference import reference_for, relative_error  # noqa: E402
+from splitkv.testing import reference_for, relative_error  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 

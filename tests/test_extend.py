@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitkv.extend import MAX_HEAD_DIM, extend_attention_fwd
-from splitkv.problem import make_problem
-from splitkv.reference import reference_for, relative_error
+from splitkv.testing import make_problem
+from splitkv.testing import reference_for, relative_error
 
 # The interpreter evaluates both sides of tl.where and the padded rows of a
 # tile in numpy, which warns about log2(0) and 0 / 0 it then discards.

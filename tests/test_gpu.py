@@ -8,15 +8,8 @@ import pytest
 import torch
 
 from conftest import CUDA, TOLERANCE, assert_matches_reference, gpu
-from splitkv import (
-    MODEL_SHAPES,
-    VerifySplitKV,
-    extend_attention_fwd,
-    make_problem,
-    reference_for,
-    relative_error,
-    verify_splitkv_fwd,
-)
+from splitkv import VerifySplitKV, extend_attention_fwd, verify_splitkv_fwd
+from splitkv.testing import MODEL_SHAPES, make_problem, reference_for, relative_error
 
 pytestmark = [gpu, pytest.mark.gpu]
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from splitkv import VerifySplitKV, make_problem
+from splitkv import VerifySplitKV
+from splitkv.testing import make_problem
 from splitkv.occupancy import (
     cdiv,
     extend_programs,

@@ -16,11 +16,10 @@ from splitkv import (
     can_handle,
     decline_reason,
     extend_attention_fwd,
-    make_problem,
-    relative_error,
     verify_attention,
     verify_splitkv_fwd,
 )
+from splitkv.testing import make_problem, relative_error
 
 
 def run_split(problem, **kwargs):

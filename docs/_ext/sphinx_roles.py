@@ -1,7 +1,7 @@
 """Griffe extension: render the package's Sphinx-style roles as API links.
 
 The splitkv docstrings are Google style but cross-reference with Sphinx roles
-(:func:`choose_n_splits`, :class:`~splitkv.problem.VerifyProblem`,
+(:func:`choose_n_splits`, :class:`~splitkv.testing.VerifyProblem`,
 :mod:`splitkv.merge`, :data:`MODEL_SHAPES`). mkdocstrings does not know those
 roles, so this extension rewrites each one, before the docstring is parsed,
 into an *optional* autorefs link: a link where the target is documented on

@@ -131,7 +131,7 @@ def reference_attention(
 
 
 def reference_for(problem: VerifyProblem, **overrides):
-    """:func:`reference_attention` of a :class:`~splitkv.problem.VerifyProblem`.
+    """:func:`reference_attention` of a :class:`~splitkv.testing.VerifyProblem`.
 
     Args:
         problem: the problem.
