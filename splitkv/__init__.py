@@ -5,16 +5,20 @@ Public names:
 * :func:`verify_splitkv_fwd` -- drop-in for ``extend_attention_fwd`` that runs
   the split-KV path or declines (returns ``False``);
 * :func:`verify_attention` -- the production entry: split-KV when the gate
-  allows, else the baseline; validates its input;
+  allows, else the baseline; validates its input; can return the LSE;
+* ``torch.ops.splitkv.verify_attention`` / ``torch.ops.splitkv.merge_states``
+  -- the same as custom ops for ``torch.compile`` (:mod:`splitkv.ops`);
+* :class:`VerifySplitKV` and :class:`VerifyPlan` -- plan once per step, run
+  once per layer; :func:`workspace_bytes` sizes a caller-owned workspace;
+* :func:`merge_state` / :func:`merge_states` -- the exact LSE merge of
+  attention states;
 * :func:`can_handle` / :func:`decline_reason` -- the gate;
 * :func:`choose_n_splits` -- the split chooser;
-* :class:`VerifySplitKV` -- the cached runner with fixed scratch;
-* :func:`get_runner` -- the drop-in's runner cache;
-* :func:`extend_attention_fwd` -- the baseline prefill/extend kernel;
-* :func:`reference_attention`, :func:`reference_for`, :func:`relative_error`
-  -- the float64 oracle and the error measure;
-* :func:`make_problem`, :func:`tree_mask`, :class:`VerifyProblem`,
-  :class:`HeadShape`, :data:`MODEL_SHAPES` -- problem builders and shapes.
+* :func:`get_runner`, :func:`clear_caches` -- the drop-in's caches;
+* :func:`extend_attention_fwd` -- the baseline prefill/extend kernel.
+
+Problem builders, model shapes and the float64 oracle are in
+:mod:`splitkv.testing`.
 """
 
 import os as _os
@@ -27,10 +31,11 @@ if not _torch.cuda.is_available():
     # kernel module is imported. An explicit TRITON_INTERPRET wins.
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from .api import get_runner, verify_attention, verify_splitkv_fwd  # noqa: E402
+from .api import clear_caches, get_runner, verify_attention, verify_splitkv_fwd  # noqa: E402
 from .extend import extend_attention_fwd  # noqa: E402
 from .gate import can_handle, decline_reason  # noqa: E402
-from .runner import VerifySplitKV  # noqa: E402
+from .merge import merge_state, merge_states  # noqa: E402
+from .runner import VerifyPlan, VerifySplitKV, workspace_bytes  # noqa: E402
 from .splits import choose_n_splits  # noqa: E402
 
 __version__ = "0.1.0"
@@ -43,5 +48,10 @@ __all__ = [
     "decline_reason",
     "choose_n_splits",
     "VerifySplitKV",
+    "VerifyPlan",
+    "workspace_bytes",
+    "merge_state",
+    "merge_states",
+    "clear_caches",
     "extend_attention_fwd",
 ]

@@ -19,7 +19,8 @@ import warnings
 
 import torch
 
-from . import MODEL_SHAPES, extend_attention_fwd, get_runner, make_problem, verify_splitkv_fwd
+from . import extend_attention_fwd, get_runner, verify_splitkv_fwd
+from .testing import MODEL_SHAPES, make_problem
 from .testing.reference import reference_for, relative_error
 
 #: (model, batch, prefix) cases of the demo on a GPU and on a CPU.

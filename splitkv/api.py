@@ -4,56 +4,141 @@
   arguments; it runs the split-KV path and returns ``True``, or returns
   ``False`` having written nothing, so the caller falls back.
 * :func:`verify_attention` is for callers that want one call that is always
-  right: it validates its input (``ValueError`` on malformed calls), then runs
-  the split path when the gate allows and the baseline otherwise.
+  right: it validates its input (shapes always; values too outside CUDA-graph
+  capture), raises ``ValueError`` on malformed calls, runs the split path when
+  the gate allows and the baseline otherwise, and can return the LSE.
 
-Runners are cached per (device, head configuration, ``max_len_extend``). A
-runner outgrown by a larger ``max_bs`` is replaced, and the old one is kept
-alive: CUDA graphs captured with its scratch keep valid addresses.
+The host path. An eager call costs what Python does before the launch, so the
+drop-in keeps a cache of plans (:class:`splitkv.runner.VerifyPlan`) keyed by
+the call's *signature*: every tensor's shape, strides, dtype and device except
+``kv_indices``'s length (which changes every step as prefixes grow), and every
+scalar. A signature seen before was already checked by the gate and planned;
+the call only rebinds the step's metadata tensors and launches the compiled
+kernel directly (:mod:`splitkv.launch`). A new signature goes through the gate
+(:func:`splitkv.decline_reason`) and is planned once.
+
+Checked mode: ``check=True`` or the environment variable ``SPLITKV_CHECK=1``
+adds :func:`splitkv.checks.check_verify_values` (slots inside the pool,
+well-formed indptrs, draft counts within ``max_len_extend``, masks inside
+``custom_mask``), which reads the device; it is skipped while the stream is
+being captured into a CUDA graph.
 """
 
 from __future__ import annotations
 
-import math
+import os
+from collections import OrderedDict
+from typing import Optional
 
 import torch
 
-from .checks import check_verify_inputs
+from .checks import check_verify_inputs, check_verify_values
 from .extend import extend_attention_fwd
 from .gate import decline_reason
-from .runner import VerifySplitKV
+from .runner import VerifyPlan, VerifySplitKV
 
-__all__ = ["verify_splitkv_fwd", "verify_attention", "get_runner"]
+__all__ = ["verify_splitkv_fwd", "verify_attention", "get_runner", "clear_caches"]
 
 _RUNNERS: dict = {}
-_RETIRED: list = []  # outgrown runners: graphs may still replay with their scratch
+#: signature -> VerifyPlan (served) or a decline reason (str)
+_PLANS: "OrderedDict[tuple, object]" = OrderedDict()
+#: Most signatures kept (least recently used dropped first).
+PLAN_CACHE_SIZE = 512
 
 
-def get_runner(q_extend, k_extend, v_extend, max_len_extend: int, max_bs: int) -> VerifySplitKV:
+def clear_caches() -> None:
+    """Drop cached runners and plans (their counters stay: graphs may use them)."""
+    _RUNNERS.clear()
+    _PLANS.clear()
+
+
+def _checking(check: Optional[bool]) -> bool:
+    if check is None:
+        check = os.environ.get("SPLITKV_CHECK", "0") not in ("", "0")
+    return bool(check) and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def get_runner(q_extend, k_extend, v_extend, max_len_extend: int, max_bs: int,
+               split_tokens: Optional[int] = None) -> VerifySplitKV:
     """The cached :class:`VerifySplitKV` for these inputs' head configuration.
-
-    Grows (replaces) the cached runner when ``max_bs`` exceeds its capacity.
 
     Args:
         q_extend: draft queries (device, query heads and head_dim are read).
         k_extend: draft keys (KV heads are read).
         v_extend: draft values (v_head_dim is read).
         max_len_extend: most draft tokens per sequence.
-        max_bs: most sequences per call.
+        max_bs: most sequences per call (the cached runner's bound grows to it).
+        split_tokens: fixed slice length (batch-invariant mode) or ``None``.
 
     Returns:
-        The runner, shared by every call with the same configuration.
+        The runner shared by every call with the same configuration.
     """
     h_q, d = q_extend.shape[1], q_extend.shape[2]
     h_kv, dv = k_extend.shape[1], v_extend.shape[2]
-    key = (str(q_extend.device), h_q, h_kv, d, dv, int(max_len_extend))
+    key = (str(q_extend.device), h_q, h_kv, d, dv, int(max_len_extend), split_tokens)
     runner = _RUNNERS.get(key)
-    if runner is None or runner.max_bs < max_bs:
-        if runner is not None:
-            _RETIRED.append(runner)
-        runner = VerifySplitKV(h_q, h_kv, d, dv, int(max_len_extend), max_bs, q_extend.device)
+    if runner is None:
+        runner = VerifySplitKV(h_q, h_kv, d, dv, int(max_len_extend), max_bs, q_extend.device,
+                               split_tokens=split_tokens)
         _RUNNERS[key] = runner
+    runner.max_bs = max(runner.max_bs, max_bs)  # only bounds checks: no scratch is sized by it
     return runner
+
+
+def _signature(q, k, v, o, kb, vb, qo, kvp, kvi, cm, mi, sinks, scalars):
+    """Everything the gate and the plan depend on, except kv_indices' length and tensor values."""
+    t = (q, k, v, o, kb, vb)
+    return (
+        tuple(x.shape for x in t), tuple(x.stride() for x in t), tuple(x.dtype for x in t),
+        tuple(x.get_device() for x in (q, k, v, o, kb, vb, qo, kvp, kvi)),
+        qo.shape, qo.dtype, kvp.shape, kvp.dtype, kvi.dim(), kvi.dtype,
+        None if cm is None else (cm.shape, cm.dtype, cm.get_device(), mi.shape, mi.dtype, mi.get_device()),
+        None if sinks is None else (sinks.shape, sinks.dtype, sinks.get_device()),
+        scalars,
+    )
+
+
+def _plan_for(args, features, max_bs, split_tokens, return_lse):
+    """The cached plan for a drop-in call, or the gate's reason to decline."""
+    (q, k, v, o, kb, vb, qo, kvp, kvi, cm, is_causal, mi, max_len_extend, k_scale, v_scale) = args
+    sinks = features["sinks"]
+    scalars = (is_causal, max_len_extend, k_scale, v_scale, features["sm_scale"], features["logit_cap"],
+               features["skip_prefix_custom_mask"], features["sliding_window_size"],
+               features["window_kv_offsets"] is None, features["xai_temperature_len"], max_bs, split_tokens,
+               return_lse)
+    try:
+        key = _signature(q, k, v, o, kb, vb, qo, kvp, kvi, cm, mi, sinks, scalars)
+        hash(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable scalars: let the gate say why
+        key = None
+    if key is not None:
+        plan = _PLANS.get(key)
+        if plan is not None:
+            _PLANS.move_to_end(key)
+            if isinstance(plan, VerifyPlan):
+                plan.rebind(qo, kvp, kvi, cm, mi, sinks)
+            return plan
+    reason = decline_reason(
+        q, k, v, kb, vb, qo, kvp, kvi, cm, is_causal, mi, max_len_extend,
+        features["sliding_window_size"], sinks, features["logit_cap"], features["xai_temperature_len"],
+        skip_prefix_custom_mask=features["skip_prefix_custom_mask"],
+        window_kv_offsets=features["window_kv_offsets"],
+        k_scale=k_scale, v_scale=v_scale, sm_scale=features["sm_scale"], o_extend=o,
+        max_bs=max_bs, split_tokens=split_tokens,
+    )
+    if reason is None:
+        bs = qo.shape[0] - 1
+        runner = get_runner(q, k, v, max_len_extend, max_bs, split_tokens)
+        plan = runner.plan(q, k, v, kb, vb, qo, kvp, kvi, cm, mi, is_causal, sm_scale=features["sm_scale"],
+                           k_scale=k_scale, v_scale=v_scale, sinks=sinks, return_lse=return_lse)
+        assert plan.batch_size == bs
+    else:
+        plan = reason
+    if key is not None and isinstance(k_scale, (int, float)) and isinstance(v_scale, (int, float)):
+        _PLANS[key] = plan
+        if len(_PLANS) > PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+    return plan
 
 
 def verify_splitkv_fwd(
@@ -80,13 +165,16 @@ def verify_splitkv_fwd(
     window_kv_offsets=None,
     xai_temperature_len=-1,
     max_bs=None,
+    split_tokens=None,
+    check=None,
 ) -> bool:
     """Drop-in for ``extend_attention_fwd`` on the target-verify shape.
 
     Takes the same positional arguments. When :func:`splitkv.can_handle`
     accepts the call, runs split-KV attention, writes ``o_extend`` and returns
     ``True``; otherwise returns ``False`` and writes nothing, and the caller
-    runs ``extend_attention_fwd``. Never reads device values (CUDA-graph safe).
+    runs ``extend_attention_fwd``. Never reads device values unless checked
+    (CUDA-graph safe).
 
     Args:
         q_extend: draft queries ``[tokens, H_Q, D]`` (row strides free, unit last stride).
@@ -112,32 +200,32 @@ def verify_splitkv_fwd(
         sinks: optional ``[H_Q]`` attention-sink logits.
         window_kv_offsets: as in ``extend_attention_fwd``; declined when given.
         xai_temperature_len: as in ``extend_attention_fwd``; declined when > 0.
-        max_bs: the largest batch this shape will see (scratch is sized for
-            it; default: this batch rounded up to a power of two).
+        max_bs: the largest batch this shape will see (default: this batch).
+        split_tokens: a fixed slice length in tokens (a multiple of 128): the
+            batch-invariant mode, where a sequence's output is bitwise the same
+            whatever batch it runs in. Default: adaptive slices.
+        check: validate metadata values (default: ``SPLITKV_CHECK``); see the
+            module docstring.
 
     Returns:
         ``True`` if ``o_extend`` was written, ``False`` if the call was declined.
+
+    Raises:
+        ValueError: only in checked mode, for metadata values that are wrong.
     """
-    if decline_reason(
-        q_extend, k_extend, v_extend, k_buffer, v_buffer,
-        qo_indptr, kv_indptr, kv_indices, custom_mask, is_causal,
-        mask_indptr, max_len_extend, sliding_window_size, sinks,
-        logit_cap, xai_temperature_len,
-        skip_prefix_custom_mask=skip_prefix_custom_mask,
-        window_kv_offsets=window_kv_offsets,
-        k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale, o_extend=o_extend,
-    ) is not None:
+    args = (q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+            custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale)
+    features = dict(sm_scale=sm_scale, logit_cap=logit_cap, skip_prefix_custom_mask=skip_prefix_custom_mask,
+                    sliding_window_size=sliding_window_size, sinks=sinks, window_kv_offsets=window_kv_offsets,
+                    xai_temperature_len=xai_temperature_len)
+    bs = qo_indptr.shape[0] - 1 if isinstance(qo_indptr, torch.Tensor) else 0
+    plan = _plan_for(args, features, max(max_bs or 1, bs), split_tokens, False)
+    if not isinstance(plan, VerifyPlan):
         return False
-    bs = qo_indptr.shape[0] - 1
-    if max_bs is None or max_bs < bs:
-        max_bs = 1 << (bs - 1).bit_length()
-    runner = get_runner(q_extend, k_extend, v_extend, max_len_extend, max_bs)
-    runner(
-        q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
-        qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, is_causal,
-        sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q_extend.shape[2]),
-        k_scale=float(k_scale), v_scale=float(v_scale), sinks=sinks,
-    )
+    if _checking(check):
+        check_verify_values(qo_indptr, kv_indptr, kv_indices, k_buffer.shape[0], max_len_extend,
+                            custom_mask, mask_indptr, num_tokens=q_extend.shape[0])
+    plan.run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out=o_extend)
     return True
 
 
@@ -165,32 +253,47 @@ def verify_attention(
     window_kv_offsets=None,
     xai_temperature_len=-1,
     max_bs=None,
-) -> torch.Tensor:
+    split_tokens=None,
+    check=True,
+    return_lse=False,
+):
     """Verify attention that is always right: split-KV when it applies, else the baseline.
 
     Same arguments as :func:`verify_splitkv_fwd`; ``o_extend`` may be ``None``
     (a new output is allocated).
 
+    Args:
+        check: validate metadata values as well as shapes (default ``True``;
+            skipped during CUDA-graph capture, where it would read the device).
+        return_lse: also return the natural-log LSE per (token, query head),
+            ``[tokens, H_Q]`` float32 (the sinks included): the state
+            :func:`splitkv.merge_states` merges. Needs the split path.
+
     Returns:
-        ``o_extend`` (or the new output), fully written.
+        ``o_extend`` (or the new output), fully written for every draft row;
+        ``(o, lse)`` with ``return_lse``.
 
     Raises:
         ValueError: on malformed input (mismatched devices, dtypes, ranks,
-            head counts or head dims, CPU tensors outside the interpreter),
-            and from the baseline for scales held in CUDA tensors or
-            ``xai_temperature_len == 1``.
+            head counts or head dims, CPU tensors outside the interpreter;
+            checked: slots outside the pool, bad indptrs, more draft tokens
+            than ``max_len_extend``, masks out of range), and from the
+            baseline for scales held in CUDA tensors or ``xai_temperature_len == 1``.
         NotImplementedError: for features neither path supports (head dims
-            above 256).
+            above 256), and ``return_lse`` for a call the split path declines.
     """
     if o_extend is None:
         o_extend = torch.empty(
             (q_extend.shape[0], q_extend.shape[1], v_extend.shape[2]),
             dtype=q_extend.dtype, device=q_extend.device,
         )
-    check_verify_inputs(
+    dims = check_verify_inputs(
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
         qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, max_len_extend, sinks,
     )
+    if _checking(check):
+        check_verify_values(qo_indptr, kv_indptr, kv_indices, k_buffer.shape[0], max_len_extend,
+                            custom_mask, mask_indptr, num_tokens=dims.num_tokens)
     args = (
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
         qo_indptr, kv_indptr, kv_indices, custom_mask, is_causal, mask_indptr,
@@ -201,6 +304,13 @@ def verify_attention(
         sliding_window_size=sliding_window_size, sinks=sinks,
         window_kv_offsets=window_kv_offsets, xai_temperature_len=xai_temperature_len,
     )
-    if not verify_splitkv_fwd(*args, **features, max_bs=max_bs):
-        extend_attention_fwd(*args, **features)
+    plan = _plan_for(args, features, max(max_bs or 1, dims.batch_size), split_tokens, bool(return_lse))
+    if isinstance(plan, VerifyPlan):
+        result = plan.run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out=o_extend)
+        return result
+    if plan.startswith("malformed input"):
+        raise ValueError(plan)
+    if return_lse:
+        raise NotImplementedError(f"return_lse needs the split path, which declines this call: {plan}")
+    extend_attention_fwd(*args, **features)
     return o_extend

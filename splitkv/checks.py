@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Dims", "check_verify_inputs", "interpreting", "ACT_DTYPES", "KV_DTYPES"]
+__all__ = ["Dims", "check_verify_inputs", "check_verify_values", "interpreting", "ACT_DTYPES", "KV_DTYPES"]
 
 #: dtypes of queries, draft K/V and outputs.
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -162,3 +162,73 @@ def check_verify_inputs(
         ):
             _fail(f"max_len_extend must be a non-negative Python int, got {max_len_extend!r}")
     return Dims(bs, n_tok, h_q, h_kv, d, dv)
+
+
+def _first_bad(bad: torch.Tensor) -> int:
+    """Index of the first True in a 1-D bool tensor, or -1 (one device read)."""
+    idx = torch.nonzero(bad)
+    return int(idx[0, 0]) if idx.numel() else -1
+
+
+def check_verify_values(
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    pool_tokens: int,
+    max_len_extend: int,
+    custom_mask=None,
+    mask_indptr=None,
+    num_tokens: Optional[int] = None,
+) -> None:
+    """Validate the *values* of a verify call's metadata (the checked mode).
+
+    Checks, per sequence ``b``: ``qo_indptr`` and ``kv_indptr`` start at 0 and
+    never decrease; ``qo_indptr[-1] <= num_tokens`` and ``kv_indptr[-1] <=
+    len(kv_indices)``; the draft count ``qo_indptr[b+1] - qo_indptr[b]`` is at
+    most ``max_len_extend``; every slot ``kv_indices[kv_indptr[0]:kv_indptr[-1]]``
+    is in ``[0, pool_tokens)``; with a ``custom_mask``, each sequence's mask
+    (``n_draft x (n_prefix + n_draft)`` entries from ``mask_indptr[b]``) lies
+    inside it.
+
+    It reads device values (a few small reductions and one copy to the host),
+    so it cannot run inside CUDA-graph capture: the production entries skip
+    it while the current stream is capturing.
+
+    Raises:
+        ValueError: naming the first bad sequence and field.
+    """
+    qo = qo_indptr.to(torch.int64)
+    kv = kv_indptr.to(torch.int64)
+    for name, ptr in (("qo_indptr", qo), ("kv_indptr", kv)):
+        if int(ptr[0]) != 0:
+            raise ValueError(f"{name}[0] is {int(ptr[0])}, must be 0")
+        b = _first_bad(ptr[1:] < ptr[:-1])
+        if b >= 0:
+            raise ValueError(f"sequence {b}: {name} decreases ({int(ptr[b])} -> {int(ptr[b + 1])})")
+    if num_tokens is not None and int(qo[-1]) > num_tokens:
+        raise ValueError(f"qo_indptr[-1] = {int(qo[-1])} exceeds the {num_tokens} draft rows")
+    if int(kv[-1]) > kv_indices.shape[0]:
+        raise ValueError(f"kv_indptr[-1] = {int(kv[-1])} exceeds the {kv_indices.shape[0]} kv_indices")
+    n_draft = qo[1:] - qo[:-1]
+    b = _first_bad(n_draft > max_len_extend)
+    if b >= 0:
+        raise ValueError(f"sequence {b}: {int(n_draft[b])} draft tokens exceed max_len_extend={max_len_extend}")
+    used = kv_indices[: int(kv[-1])].to(torch.int64)
+    bad = (used < 0) | (used >= pool_tokens)
+    pos = _first_bad(bad)
+    if pos >= 0:
+        seq = int(torch.searchsorted(kv[1:], torch.tensor(pos, device=kv.device), right=True))
+        raise ValueError(
+            f"sequence {seq}: kv_indices[{pos}] = {int(used[pos])} is outside the pool [0, {pool_tokens})"
+        )
+    if custom_mask is not None:
+        mp = mask_indptr.to(torch.int64)
+        n_prefix = kv[1:] - kv[:-1]
+        end = mp[:-1] + n_draft * (n_prefix + n_draft)
+        b = _first_bad((mp[:-1] < 0) | (end > custom_mask.numel()))
+        if b >= 0:
+            raise ValueError(
+                f"sequence {b}: mask_indptr[{b}] = {int(mp[b])} puts its "
+                f"{int(n_draft[b])} x {int(n_prefix[b] + n_draft[b])} mask outside custom_mask "
+                f"({custom_mask.numel()} entries)"
+            )

@@ -26,6 +26,9 @@ from typing import Optional
 import torch
 
 from .checks import check_verify_inputs
+from .kernel import block_m_for, rows_per_tile
+from .occupancy import head_tiles
+from .splits import MAX_GRID_SPLITS, fixed_n_splits
 
 __all__ = ["can_handle", "decline_reason", "MAX_DRAFT_TOKENS"]
 
@@ -62,6 +65,8 @@ def decline_reason(
     v_scale=1.0,
     sm_scale=None,
     o_extend=None,
+    max_bs=None,
+    split_tokens=None,
 ) -> Optional[str]:
     """Why the split path declines this call, or ``None`` if it serves it.
 
@@ -97,9 +102,34 @@ def decline_reason(
     if not 1 <= max_len_extend <= MAX_DRAFT_TOKENS:
         return f"max_len_extend {max_len_extend} outside [1, {MAX_DRAFT_TOKENS}]"
     if dims.num_tokens > dims.batch_size * max_len_extend:
-        return "more draft rows than batch_size * max_len_extend"
+        return "malformed input: more draft rows than batch_size * max_len_extend"
     if q_extend.device.type == "cpu" and q_extend.dtype == torch.bfloat16:
         return "bfloat16 under the Triton interpreter (its bf16 tl.dot is wrong)"
+    return _launch_limit(dims, max_len_extend, kv_indices.shape[0], max_bs, split_tokens)
+
+
+def _launch_limit(dims, max_len_extend: int, kv_len: int, max_bs, split_tokens) -> Optional[str]:
+    """Why a launch for these sizes would exceed a CUDA or 32-bit limit, or ``None``.
+
+    The grid is ``(batch x head_tiles, n_splits)``: axis 0 holds up to
+    ``2^31 - 1`` programs, axis 1 (slices) up to 65535. Adaptive slices are at
+    most 64; fixed slices are ``cdiv(len(kv_indices), split_tokens)``. Pool
+    rows, draft rows and mask positions are 64-bit in the kernel; positions
+    in ``kv_indices`` are 32-bit.
+    """
+    block_m = block_m_for(rows_per_tile(dims.group, max_len_extend))
+    tiles = max(dims.batch_size, max_bs or 0) * head_tiles(
+        dims.num_q_heads, dims.num_kv_heads, max_len_extend, block_m)
+    if tiles >= 2**31:
+        return f"launch limit: {tiles} tiles exceed CUDA's 2^31 - 1 programs on grid axis 0"
+    if kv_len >= 2**31:
+        return f"launch limit: {kv_len} kv_indices exceed 32-bit positions"
+    if split_tokens is not None:
+        if not isinstance(split_tokens, int) or split_tokens < 128 or split_tokens % 128:
+            return f"split_tokens must be a positive multiple of 128, got {split_tokens!r}"
+        if fixed_n_splits(kv_len, split_tokens) > MAX_GRID_SPLITS:
+            return (f"launch limit: {fixed_n_splits(kv_len, split_tokens)} slices of {split_tokens} tokens "
+                    f"exceed CUDA's {MAX_GRID_SPLITS} on grid axis 1")
     return None
 
 

@@ -1,125 +1,140 @@
-"""Stage 2 of split-KV verify: merge the partial results exactly.
+"""Merging attention states: the exact LSE merge as a public primitive.
 
-Part ``s`` of a query row holds ``o_s`` (softmax attention restricted to that
-part's keys) and ``lse_s = log sum_{j in part s} exp(score_j)``. The attention
-over all keys is the LSE-weighted mean of the parts::
+An *attention state* over a set of keys is the pair ``(v, s)``: ``v`` the
+softmax-weighted mean of the values, ``s = log sum_j exp(score_j)`` its
+natural-log log-sum-exp. Attention over the union of disjoint key sets is the
+LSE-weighted mean of their states::
 
-    lse = log sum_s exp(lse_s)          o = sum_s exp(lse_s - lse) * o_s
+    s = log sum_i exp(s_i)          v = sum_i exp(s_i - s) * v_i
 
-which is exact, associative and commutative. An empty part (``lse_s = -inf``)
-gets weight 0. An attention sink adds ``exp(sink)`` to the denominator only:
-it is a logit with no value row.
+exact, associative and commutative. A state over no key at all has
+``s = -inf`` and weighs 0 (its ``v`` is never read); if every state is empty
+the result is ``v = 0``, ``s = -inf``.
 
-The merge is itself an online softmax, over parts instead of keys: one program
-per (token, query head, slice of the value dimension) walks the
-``n_splits + 1`` parts in chunks of ``BLOCK_S``, keeping a running maximum so
-no ``exp`` overflows. ``BLOCK_S`` covers all parts when they fit a register
-tile, so the loop usually runs once: the merge is one round trip to memory,
-which is what matters at small batch, where it is pure latency. Logs are
-base 2, as in stage 1.
+This is the identity the verify kernel uses between prefix slices
+(:mod:`splitkv.kernel`), and what a caller uses to join states computed
+elsewhere: on other GPUs (:mod:`splitkv.parallel`), over a cascade of shared
+and private prefixes, or by another kernel. The arguments follow FlashInfer's
+``merge_state`` / ``merge_states`` (``v [tokens, heads, dim]``, ``s [tokens,
+heads]`` float32), with LSEs in natural log, as
+:func:`splitkv.verify_attention` returns them with ``return_lse=True``.
 """
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
+import torch
 import triton
 import triton.language as tl
 
-__all__ = ["merge_partials"]
+__all__ = ["merge_state", "merge_states"]
 
 
 @triton.jit
-def _merge_partials_kernel(
-    Part_O, Part_LSE, O, Sinks, qo_indptr,
-    batch_size,
-    n_parts,
+def _merge_states_kernel(
+    V, S, V_Out, S_Out,
+    n_states,
+    stride_vt, stride_vs, stride_vh,
+    stride_st, stride_ss, stride_sh,
     stride_ot, stride_oh,
-    NUM_Q_HEADS: tl.constexpr,
-    V_HEAD_DIM: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    USE_PDL: tl.constexpr,  # launched early: wait here until stage 1 has finished
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WRITE_S: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    """One program per (token, head, slice of the head dim): an online LSE merge over the states."""
+    t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    if t >= tl.load(qo_indptr + batch_size):
-        return  # a padding row that belongs to no sequence: leave it alone
-
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    offs_dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    dv_ok = offs_dv < V_HEAD_DIM
-    row = (t * NUM_Q_HEADS + h) * n_parts  # first part of this (token, head)
-
-    m = tl.full([1], float("-inf"), tl.float32)  # running max of lse (base 2)
-    den = tl.zeros([1], tl.float32)  # sum of 2^(lse_s - m)
-    acc = tl.zeros([BLOCK_DV], tl.float32)  # sum of 2^(lse_s - m) * o_s
-    for s0 in range(0, n_parts, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        s_ok = s < n_parts
-        lse = tl.load(Part_LSE + row + s, mask=s_ok, other=float("-inf"))
-        o = tl.load(
-            Part_O + (row + s)[:, None] * V_HEAD_DIM + offs_dv[None, :],
-            mask=s_ok[:, None] & dv_ok[None, :], other=0.0,
-        )
-        m_new = tl.maximum(m, tl.max(lse, 0))
+    offs = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs < HEAD_DIM
+    m = tl.full([1], float("-inf"), tl.float32)  # running max of s_i
+    den = tl.zeros([1], tl.float32)  # sum_i exp(s_i - m)
+    acc = tl.zeros([BLOCK_D], tl.float32)  # sum_i exp(s_i - m) * v_i
+    for i in range(0, n_states):
+        s_i = tl.load(S + t * stride_st + i * stride_ss + h * stride_sh + tl.zeros([1], tl.int32)).to(tl.float32)
+        m_new = tl.maximum(m, s_i)
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_shift)
-        w = tl.exp2(lse - m_shift)
-        # An empty part contributes nothing, whatever its o slot holds.
-        contrib = tl.where(w[:, None] > 0, w[:, None] * o, 0.0)
-        den = den * alpha + tl.sum(w, 0)
-        acc = acc * alpha + tl.sum(contrib, 0)
+        alpha = tl.exp(m - m_shift)
+        w = tl.exp(s_i - m_shift)
+        # An empty state (s_i = -inf) weighs 0 and its v is not read.
+        v_i = tl.load(V + t * stride_vt + i * stride_vs + h * stride_vh + offs, mask=d_ok & (w > 0), other=0.0)
+        den = den * alpha + w
+        acc = acc * alpha + w * v_i.to(tl.float32)
         m = m_new
-    if HAS_SINKS:
-        sink = tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634  # to base 2
-        m_shift = tl.where(m == float("-inf"), 0.0, m)
-        den += tl.exp2(sink - m_shift)
-    out = acc / tl.where(den > 0, den, 1.0)  # a row with no visible key: 0
-    tl.store(O + t * stride_ot + h * stride_oh + offs_dv, out.to(O.dtype.element_ty), mask=dv_ok)
+    has = den > 0
+    out = acc / tl.where(has, den, 1.0)
+    tl.store(V_Out + t * stride_ot + h * stride_oh + offs, out.to(V_Out.dtype.element_ty), mask=d_ok)
+    if WRITE_S:
+        s = tl.where(has, m + tl.log(tl.where(has, den, 1.0)), float("-inf"))
+        if tl.program_id(2) == 0:
+            tl.store(S_Out + t * tl.num_programs(1) + h + tl.zeros([1], tl.int32), s)
 
 
-def merge_partials(part_o, part_lse, o_extend, qo_indptr, sinks, *, batch_size: int, n_splits: int,
-                   pdl: bool = False):
-    """Launch stage 2: write ``o_extend[t, h]`` for every token of every sequence.
-
-    Rows of ``o_extend`` past ``qo_indptr[batch_size]`` are not written.
-    ``pdl``: launched as a programmatic dependent of stage 1 (which must
-    have been launched with ``pdl`` too); it waits for stage 1's results.
+def merge_states(
+    v: torch.Tensor, s: torch.Tensor, *, out: Optional[torch.Tensor] = None, out_lse: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Merge ``n`` attention states per (token, head) into one.
 
     Args:
-        part_o: stage 1's partial outputs (float32 scratch).
-        part_lse: stage 1's base-2 LSEs (float32 scratch).
-        o_extend: the output ``[tokens, H_Q, Dv]``, written in place.
-        qo_indptr: ``[bs + 1]`` draft rows of each sequence.
-        sinks: ``[H_Q]`` sink logits, or ``None``.
-        batch_size: sequences in the call.
-        n_splits: prefix slices stage 1 used.
-        pdl: see above.
+        v: ``[tokens, n, heads, dim]`` outputs over ``n`` disjoint key sets
+            (any strides with a unit last one; float16/bfloat16/float32).
+        s: ``[tokens, n, heads]`` their natural-log LSEs (float32; ``-inf``
+            for a state over no key).
+        out: optional ``[tokens, heads, dim]`` output (default: new, ``v``'s dtype).
+        out_lse: optional ``[tokens, heads]`` float32 for the merged LSE.
 
     Returns:
-        The launch grid ``(tokens, H_Q, value-dimension blocks)``.
+        ``(v_merged, s_merged)``.
+
+    Raises:
+        ValueError: on mismatched shapes, devices or dtypes.
     """
-    n_tok, h_q, v_head_dim = o_extend.shape
-    n_parts = n_splits + 1
-    # All parts in one tile when they fit (<= 8K fp32 values per program).
-    block_s = min(triton.next_power_of_2(n_parts), 128)
-    block_dv = min(triton.next_power_of_2(v_head_dim), max(16, 8192 // block_s))
-    grid = (n_tok, h_q, triton.cdiv(v_head_dim, block_dv))
-    _merge_partials_kernel[grid](
-        part_o, part_lse, o_extend,
-        sinks if sinks is not None else part_lse,  # placeholder pointer, never read
-        qo_indptr,
-        batch_size,
-        n_parts,
-        o_extend.stride(0), o_extend.stride(1),
-        NUM_Q_HEADS=h_q,
-        V_HEAD_DIM=v_head_dim,
-        BLOCK_DV=block_dv,
-        BLOCK_S=block_s,
-        HAS_SINKS=sinks is not None,
-        USE_PDL=pdl,
-        num_warps=4,
-        **({"launch_pdl": True} if pdl else {}),
+    if v.dim() != 4 or s.dim() != 3 or tuple(s.shape) != tuple(v.shape[:3]):
+        raise ValueError(f"need v [tokens, n, heads, dim] and s [tokens, n, heads], got {tuple(v.shape)}, "
+                         f"{tuple(s.shape)}")
+    if s.dtype != torch.float32:
+        raise ValueError(f"s must be float32, got {s.dtype}")
+    if v.device != s.device:
+        raise ValueError("v and s must be on one device")
+    if v.stride(3) != 1 and v.shape[3] > 1:
+        raise ValueError("v must have a unit stride in its last dimension")
+    n_tok, n, heads, dim = v.shape
+    if out is None:
+        out = torch.empty((n_tok, heads, dim), dtype=v.dtype, device=v.device)
+    if out_lse is None:
+        out_lse = torch.empty((n_tok, heads), dtype=torch.float32, device=v.device)
+    if out.shape != (n_tok, heads, dim) or out.stride(2) != 1 or out.device != v.device:
+        raise ValueError(f"out must be [{n_tok}, {heads}, {dim}] on {v.device} with a unit last stride")
+    if out_lse.shape != (n_tok, heads) or not out_lse.is_contiguous() or out_lse.dtype != torch.float32:
+        raise ValueError(f"out_lse must be a contiguous float32 [{n_tok}, {heads}]")
+    if n_tok == 0 or heads == 0:
+        return out, out_lse
+    block_d = min(triton.next_power_of_2(dim), 256)
+    grid = (n_tok, heads, triton.cdiv(dim, block_d))
+    _merge_states_kernel[grid](
+        v, s, out, out_lse, n,
+        v.stride(0), v.stride(1), v.stride(2),
+        s.stride(0), s.stride(1), s.stride(2),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=dim, BLOCK_D=block_d, WRITE_S=True,
     )
-    return grid
+    return out, out_lse
+
+
+def merge_state(
+    v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Merge two attention states: attention over the keys of ``a`` and of ``b``.
+
+    Args:
+        v_a: ``[tokens, heads, dim]`` output over key set A.
+        s_a: ``[tokens, heads]`` its natural-log LSE (float32).
+        v_b: ``[tokens, heads, dim]`` output over key set B (disjoint from A).
+        s_b: ``[tokens, heads]`` its natural-log LSE (float32).
+
+    Returns:
+        ``(v, s)`` over A and B together.
+    """
+    if v_a.shape != v_b.shape or s_a.shape != s_b.shape:
+        raise ValueError("the two states must have equal shapes")
+    return merge_states(torch.stack([v_a, v_b], 1), torch.stack([s_a, s_b], 1))

@@ -1,40 +1,125 @@
-"""The cached runner: fixed scratch, two launches, CUDA-graph safe.
+"""Runner and plan: work out a verify launch once, then only launch.
 
-A :class:`VerifySplitKV` is built once per head configuration. Its float32
-scratch (the partial outputs and LSEs of stage 1) is sized for the largest
-batch it will serve, ``max_bs``, and reused by every smaller batch, so
+A :class:`VerifySplitKV` is made once per head configuration (query/KV heads,
+head dims, most draft tokens). Its :meth:`~VerifySplitKV.plan` takes one
+step's metadata (``qo_indptr``, ``kv_indptr``, ``kv_indices``, the mask, the
+scales) and the layout of the step's tensors, checks them, and fixes
+everything that does not change from layer to layer: the split count, the
+tile shape, the grid, the kernel's integer and constexpr arguments, the
+compiled kernel. :meth:`VerifyPlan.run` then takes a layer's tensors and
+launches, with almost no Python in between. This is the shape of
+FlashInfer's wrappers: plan once per step, run once per layer.
 
-* the scratch addresses never change: a CUDA graph captured with them stays
-  valid, replay after replay;
-* memory does not grow with the number of distinct batch sizes seen.
+Scratch. A call whose prefixes are cut into several slices needs float32
+scratch for the slices' partial outputs and LSEs, plus one int32 counter per
+tile that the kernel's last program uses to find out it is last (see
+:mod:`splitkv.kernel`). Two ways to provide them:
 
-Scratch is kept per CUDA stream: two streams running the same shape at once
-each write their own partials. Inside a graph capture the capture stream gets
-its own scratch, allocated from the graph's pool on first use.
-
-Scratch size. With ``n_splits`` prefix slices a call needs
-``num_tokens x H_Q x (n_splits + 1)`` partial rows. The split chooser gives
-large batches fewer slices, so the worst case over ``bs <= max_bs`` is small;
-the runner computes it once from the same rule the calls use.
+* default: the partials come from PyTorch's caching allocator on every run.
+  Under CUDA-graph capture that memory belongs to the graph's private pool
+  and keeps its address for every replay; on two streams at once each call
+  gets its own; and it returns to the cache when the call is over, so
+  memory never grows with streams or batch sizes. The counters must start at
+  zero and be kept between calls: they live in a small per-(device, stream)
+  array (:func:`counters`, 4 bytes per tile), zeroed once when first used,
+  and left zeroed by every launch.
+* a caller-owned ``workspace`` (see :func:`workspace_bytes`), for engines
+  that allocate everything up front: counters and partials are carved from
+  it, nothing is allocated per call. The caller allocates it zeroed
+  (``torch.zeros``) and must not run one runner's workspace on two streams at
+  once.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Optional
+import math
+from typing import Dict, Optional, Tuple
 
 import torch
 
-from .checks import interpreting
-from .merge import merge_partials
-from .occupancy import head_tiles
-from .partials import TileConfig, rows_per_tile, split_kv_partials, tile_config
-from .splits import choose_n_splits, device_sm_count
+from .checks import check_verify_inputs, check_verify_values, interpreting
+from .kernel import LOG2E, TileConfig, _verify_kernel, block_m_for, rows_per_tile, tile_config
+from .launch import Launcher
+from .occupancy import head_tiles as count_head_tiles
+from .splits import MAX_GRID_SPLITS, MAX_SPLITS, choose_n_splits, device_sm_count, fixed_n_splits
+from .tuning import min_split_tokens, programs_per_sm
 
-__all__ = ["VerifySplitKV"]
+__all__ = ["VerifySplitKV", "VerifyPlan", "workspace_bytes", "counters"]
 
-#: Prefix length standing for "as long as you like" when sizing scratch.
-_UNBOUNDED_PREFIX = 1 << 40
+#: Counters per (device, stream): ``{(device index, raw stream handle): int32 tensor}``.
+_COUNTERS: Dict[Tuple[int, int], torch.Tensor] = {}
+#: Smallest counter array allocated (tiles); arrays grow by doubling.
+_MIN_COUNTERS = 4096
+
+
+def _stream_key(device: torch.device) -> Tuple[int, int]:
+    if device.type != "cuda":
+        return (-1, 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return (index, torch._C._cuda_getCurrentRawStream(index))
+
+
+def counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The zeroed tile counters of ``device``'s current stream (at least ``tiles`` of them).
+
+    Allocated with ``torch.zeros`` on first use per stream and grown (never
+    shrunk) by doubling; the kernel leaves every counter it uses at zero.
+    An array outgrown while a captured graph still uses it stays referenced
+    by that graph's kernel arguments only, so outgrown arrays are kept too
+    (a few KB each).
+    """
+    key = _stream_key(device)
+    arr = _COUNTERS.get(key)
+    if arr is None or arr.numel() < tiles:
+        size = max(_MIN_COUNTERS, 1 << (tiles - 1).bit_length())
+        if arr is not None:
+            _OUTGROWN.append(arr)
+        arr = torch.zeros(size, dtype=torch.int32, device=device)
+        _COUNTERS[key] = arr
+    return arr
+
+
+_OUTGROWN: list = []
+
+
+def workspace_bytes(
+    num_q_heads: int,
+    num_kv_heads: int,
+    v_head_dim: int,
+    max_len_extend: int,
+    max_bs: int,
+    max_splits: int = MAX_SPLITS,
+    *,
+    pack_gqa: bool = True,
+    block_m: Optional[int] = None,
+) -> int:
+    """Bytes of a caller-owned workspace for calls of up to ``max_bs`` sequences.
+
+    ``tiles = max_bs x head_tiles`` counters (int32) followed by the partials
+    of ``tiles x max_splits x BLOCK_M`` rows of ``v_head_dim + 1`` float32
+    (output and LSE), where ``BLOCK_M`` is the tile's row count
+    (:func:`splitkv.kernel.block_m_for` of ``GROUP x max_len_extend``) and
+    ``head_tiles = KV heads x ceil(GROUP x max_len_extend / BLOCK_M)``.
+
+    Args:
+        num_q_heads: query heads.
+        num_kv_heads: KV heads.
+        v_head_dim: value head dimension.
+        max_len_extend: most draft tokens per sequence.
+        max_bs: most sequences per call.
+        max_splits: most prefix slices per call (64 in the adaptive mode; in
+            the fixed-slice mode ``cdiv(longest kv_indices, split_tokens)``).
+        pack_gqa: as for :class:`VerifySplitKV`.
+        block_m: the tile's rows if a custom :class:`~splitkv.kernel.TileConfig` is used.
+
+    Returns:
+        Bytes (a multiple of 16).
+    """
+    per_tile = num_q_heads // num_kv_heads if pack_gqa else 1
+    block_m = block_m or block_m_for(rows_per_tile(per_tile, max_len_extend))
+    tiles = max_bs * count_head_tiles(num_q_heads, num_kv_heads, max_len_extend, block_m, pack_gqa)
+    counter_bytes = -(-tiles * 4 // 16) * 16
+    return counter_bytes + tiles * max_splits * block_m * (v_head_dim + 1) * 4
 
 
 class VerifySplitKV:
@@ -46,16 +131,22 @@ class VerifySplitKV:
         head_dim: query/key head dimension.
         v_head_dim: value head dimension.
         max_len_extend: most draft tokens per sequence.
-        max_bs: most sequences per call; scratch is sized for it.
-        device: where the scratch lives.
+        max_bs: most sequences per call (bounds the workspace and the gate's
+            launch-limit checks).
+        device: where the kernels run.
+        num_sms: SMs the split chooser plans for (default: the device's).
         pack_gqa: one program per KV head with all its query heads as tile
             rows (reads each prefix byte once). ``False`` gives the seed's
             one-program-per-query-head layout, kept for teaching and benchmarks.
-        config: kernel tile shape (default: :func:`splitkv.partials.tile_config`).
-        n_splits: a fixed number of prefix slices for every call (default:
-            :func:`splitkv.choose_n_splits` per call, from static shapes).
+        config: kernel tile shape (default: :func:`splitkv.kernel.tile_config`).
+        n_splits: a fixed grid of prefix slices for every call (default: the
+            adaptive chooser, :func:`splitkv.choose_n_splits`).
+        split_tokens: a fixed slice length in tokens (batch-invariant mode: a
+            sequence's output is then bitwise the same in any batch).
+        workspace: caller-owned zeroed bytes of at least :func:`workspace_bytes`
+            (default: per-call allocation, see the module docstring).
 
-    Calling the runner writes ``o_extend`` and returns it.
+    Calling the runner plans and runs in one go; see :meth:`plan` to reuse a plan.
     """
 
     def __init__(
@@ -68,118 +159,326 @@ class VerifySplitKV:
         max_bs: int,
         device="cuda",
         *,
+        num_sms: Optional[int] = None,
         pack_gqa: bool = True,
         config: Optional[TileConfig] = None,
         n_splits: Optional[int] = None,
+        split_tokens: Optional[int] = None,
+        workspace: Optional[torch.Tensor] = None,
     ):
         if num_kv_heads < 1 or num_q_heads % num_kv_heads:
             raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
         if max_len_extend < 1 or max_bs < 1:
             raise ValueError("max_len_extend and max_bs must be positive")
+        if n_splits is not None and not 1 <= n_splits <= MAX_GRID_SPLITS:
+            raise ValueError(f"n_splits must be in [1, {MAX_GRID_SPLITS}], got {n_splits}")
+        if n_splits is not None and split_tokens is not None:
+            raise ValueError("give n_splits or split_tokens, not both")
         self.num_q_heads, self.num_kv_heads = num_q_heads, num_kv_heads
         self.head_dim, self.v_head_dim = head_dim, v_head_dim
         self.max_len_extend, self.max_bs = max_len_extend, max_bs
         self.device = torch.device(device)
+        self.num_sms = num_sms if num_sms is not None else device_sm_count(self.device)
         self.pack_gqa = pack_gqa
-        heads_per_tile = num_q_heads // num_kv_heads if pack_gqa else 1
-        rows = rows_per_tile(heads_per_tile, max_len_extend)
-        self.config = config or tile_config(head_dim, v_head_dim, rows, interpreting())
-        #: stage-1 programs per sequence and split
-        self.head_tiles = head_tiles(
-            num_q_heads, num_kv_heads, max_len_extend, self.config.block_m, pack_gqa
-        )
-        self.num_sms = device_sm_count(self.device)
-        #: programmatic dependent launch of the merge (Hopper and later GPUs;
-        #: ``SPLITKV_PDL=0`` turns it off)
-        self.pdl = (
-            self.device.type == "cuda"
-            and torch.cuda.get_device_capability(self.device)[0] >= 9
-            and os.environ.get("SPLITKV_PDL", "1") != "0"
-        )
-        if n_splits is not None and n_splits < 1:
-            raise ValueError(f"n_splits must be positive, got {n_splits}")
+        self.heads_per_tile = num_q_heads // num_kv_heads if pack_gqa else 1
+        self._config = config
+        self.block_m = config.block_m if config else block_m_for(rows_per_tile(self.heads_per_tile, max_len_extend))
+        #: programs per sequence and slice (KV heads x row blocks)
+        self.head_tiles = count_head_tiles(num_q_heads, num_kv_heads, max_len_extend, self.block_m, pack_gqa)
+        self.m_blocks = self.head_tiles // (num_q_heads // self.heads_per_tile)
         self.fixed_n_splits = n_splits
-        #: partial rows the scratch holds: the worst case over batch sizes
-        self.capacity = max(
-            bs * max_len_extend * num_q_heads * (self.n_splits(bs, _UNBOUNDED_PREFIX) + 1)
-            for bs in range(1, max_bs + 1)
-        )
-        if self.capacity * v_head_dim >= 2**31:
-            # The kernels index scratch with 32-bit offsets.
-            raise ValueError(
-                f"scratch of {self.capacity} rows x {v_head_dim} exceeds 2^31 elements: "
-                "lower max_bs or max_len_extend"
-            )
-        self._scratch = {}
+        if split_tokens is not None:
+            self.split_tokens = self._block_multiple(split_tokens, "split_tokens")
+        else:
+            self.split_tokens = None
+        self.workspace = workspace
+        if workspace is not None:
+            need = workspace_bytes(num_q_heads, num_kv_heads, v_head_dim, max_len_extend, max_bs,
+                                   self._max_splits(), pack_gqa=pack_gqa, block_m=self.block_m)
+            if workspace.device != self.device or workspace.numel() * workspace.element_size() < need:
+                raise ValueError(f"workspace must hold {need} bytes on {self.device}")
+            tiles = max_bs * self.head_tiles
+            raw = workspace.view(torch.uint8).reshape(-1)
+            counter_bytes = -(-tiles * 4 // 16) * 16
+            self._ws_counters = raw[: tiles * 4].view(torch.int32)
+            self._ws_parts = raw[counter_bytes:need].view(torch.float32)
+        self._launchers: Dict[tuple, Launcher] = {}
 
-    def n_splits(self, batch_size: int, prefix_len: int) -> int:
-        """Prefix slices this runner uses for a batch (static shapes only).
+    def _block_multiple(self, tokens: int, name: str) -> int:
+        if tokens < 1:
+            raise ValueError(f"{name} must be positive, got {tokens}")
+        # Slices are whole key tiles; the largest BLOCK_N of any config is 128.
+        if tokens % 128:
+            raise ValueError(f"{name} must be a multiple of 128, got {tokens}")
+        return tokens
+
+    def _max_splits(self) -> int:
+        if self.fixed_n_splits is not None:
+            return self.fixed_n_splits
+        if self.split_tokens is not None:
+            raise ValueError(
+                "a workspace in fixed-slice mode needs a grid bound: give n_splits, or size it with "
+                "workspace_bytes(..., max_splits=cdiv(longest kv_indices, split_tokens))"
+            )
+        return MAX_SPLITS
+
+    def config(self, kv_dtype: torch.dtype) -> TileConfig:
+        """The tile shape for a pool of ``kv_dtype``."""
+        if self._config is not None:
+            return self._config
+        return tile_config(self.head_dim, self.v_head_dim, rows_per_tile(self.heads_per_tile, self.max_len_extend),
+                           interpreting(), kv_bytes=torch.empty((), dtype=kv_dtype).element_size())
+
+    def n_splits(self, batch_size: int, prefix_len: int, kv_dtype: torch.dtype = torch.bfloat16) -> int:
+        """Grid slices for a batch (static shapes only).
 
         Args:
             batch_size: sequences in the call.
             prefix_len: representative prefix length (``kv_indices.shape[0] // batch_size``).
+            kv_dtype: the pool's dtype (fp8 pools may tile differently).
 
         Returns:
-            The fixed split count if one was given, else :func:`splitkv.choose_n_splits`'s.
+            The fixed count if one was given; in fixed-slice mode
+            ``cdiv(batch_size x prefix_len, split_tokens)``; else
+            :func:`splitkv.choose_n_splits`'s.
         """
         if self.fixed_n_splits is not None:
             return self.fixed_n_splits
-        return choose_n_splits(batch_size, self.head_tiles, prefix_len, self.num_sms)
+        if self.split_tokens is not None:
+            return fixed_n_splits(batch_size * prefix_len, self.split_tokens)
+        kv_bytes = torch.empty((), dtype=kv_dtype).element_size()
+        return choose_n_splits(
+            batch_size, self.head_tiles, prefix_len, self.num_sms,
+            programs_per_sm=programs_per_sm(max(self.head_dim, self.v_head_dim), self.block_m, kv_bytes),
+            min_split_tokens=min_split_tokens(),
+        )
 
-    @property
-    def scratch_bytes(self) -> int:
-        """Bytes of scratch one stream uses."""
-        return self.capacity * (self.v_head_dim + 1) * 4
+    def plan(
+        self,
+        q_extend, k_extend, v_extend, k_buffer, v_buffer,
+        qo_indptr, kv_indptr, kv_indices,
+        custom_mask=None, mask_indptr=None, is_causal=True, *,
+        sm_scale: Optional[float] = None, k_scale: float = 1.0, v_scale: float = 1.0,
+        sinks=None, return_lse: bool = False, attend_draft: bool = True, check: bool = False,
+    ) -> "VerifyPlan":
+        """Check one step's inputs and fix its launch.
 
-    def scratch(self):
-        """``(part_o, part_lse)`` of the current stream, allocated on first use."""
-        key = None
-        if self.device.type == "cuda":
-            key = torch.cuda.current_stream(self.device).cuda_stream
-        bufs = self._scratch.get(key)
-        if bufs is None:
-            bufs = (
-                torch.empty(self.capacity * self.v_head_dim, dtype=torch.float32, device=self.device),
-                torch.empty(self.capacity, dtype=torch.float32, device=self.device),
-            )
-            self._scratch[key] = bufs
-        return bufs
+        The tensors given are those of one layer; :meth:`VerifyPlan.run` takes
+        any layer's tensors of the same shapes, dtypes and strides. The
+        metadata tensors (indptrs, indices, mask, sinks) are bound to the plan:
+        their *values* may change between runs (a graph replay with new
+        lengths), not their addresses or sizes.
+
+        Args:
+            q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr,
+            kv_indptr, kv_indices, custom_mask, mask_indptr, is_causal: as for
+                :func:`splitkv.verify_splitkv_fwd`.
+            sm_scale: softmax scale (default ``1/sqrt(head_dim)``).
+            k_scale: key-pool multiplier (Python number).
+            v_scale: value-pool multiplier (Python number).
+            sinks: optional ``[H_Q]`` sink logits.
+            return_lse: also write the natural-log LSE per (token, query head).
+            attend_draft: ``False`` attends to the prefix only (a context-parallel
+                shard that does not own the draft block).
+            check: validate values too (:func:`splitkv.checks.check_verify_values`;
+                reads the device, so not under graph capture).
+
+        Raises:
+            ValueError: on malformed input or shapes this runner was not built for.
+        """
+        dims = check_verify_inputs(
+            q_extend, k_extend, v_extend, None, k_buffer, v_buffer,
+            qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, self.max_len_extend, sinks,
+        )
+        want = (self.num_q_heads, self.num_kv_heads, self.head_dim, self.v_head_dim)
+        got = (dims.num_q_heads, dims.num_kv_heads, dims.head_dim, dims.v_head_dim)
+        if got != want:
+            raise ValueError(f"this runner serves (H_Q, H_KV, D, Dv) = {want}, got {got}")
+        if dims.batch_size > self.max_bs:
+            raise ValueError(f"batch of {dims.batch_size} exceeds this runner's max_bs={self.max_bs}")
+        if dims.num_tokens > dims.batch_size * self.max_len_extend:
+            raise ValueError(f"{dims.num_tokens} draft rows exceed batch_size x max_len_extend")
+        if check:
+            check_verify_values(qo_indptr, kv_indptr, kv_indices, k_buffer.shape[0], self.max_len_extend,
+                                custom_mask, mask_indptr, num_tokens=dims.num_tokens)
+        return VerifyPlan(self, q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+                          custom_mask, mask_indptr, is_causal, sm_scale=sm_scale, k_scale=k_scale,
+                          v_scale=v_scale, sinks=sinks, return_lse=return_lse, attend_draft=attend_draft)
+
+    def _launcher(self, key: tuple, constexprs: dict, options: dict) -> Launcher:
+        launcher = self._launchers.get(key)
+        if launcher is None:
+            launcher = self._launchers[key] = Launcher(_verify_kernel, constexprs, options)
+        return launcher
 
     def __call__(
         self,
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
         qo_indptr, kv_indptr, kv_indices,
         custom_mask=None, mask_indptr=None, is_causal=True, *,
-        sm_scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+        sm_scale: Optional[float] = None, k_scale: float = 1.0, v_scale: float = 1.0,
         sinks=None,
     ):
-        """Run both stages. Inputs must have passed :func:`splitkv.can_handle`.
+        """Plan and run in one go; writes and returns ``o_extend``."""
+        plan = self.plan(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+                         custom_mask, mask_indptr, is_causal, sm_scale=sm_scale, k_scale=k_scale,
+                         v_scale=v_scale, sinks=sinks)
+        plan.run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out=o_extend)
+        return o_extend
 
-        Takes ``extend_attention_fwd``'s tensors (see
-        :func:`splitkv.verify_splitkv_fwd`) and Python-number scales.
+
+class VerifyPlan:
+    """One step's verify launch, fixed; :meth:`run` launches it for a layer.
+
+    Made by :meth:`VerifySplitKV.plan`. Attributes worth reading:
+
+    Attributes:
+        batch_size: sequences in the step.
+        n_splits: the grid's prefix slices.
+        grid: ``(tiles, n_splits)``.
+        config: the tile shape.
+        scratch_bytes: float32 partials one run needs (0 with one slice).
+    """
+
+    def __init__(self, runner: VerifySplitKV, q_extend, k_extend, v_extend, k_buffer, v_buffer,
+                 qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, is_causal, *,
+                 sm_scale, k_scale, v_scale, sinks, return_lse, attend_draft):
+        r = runner
+        bs = qo_indptr.shape[0] - 1
+        n_tok = q_extend.shape[0]
+        kv_len = kv_indices.shape[0]
+        self.runner = r
+        self.batch_size = bs
+        self.num_tokens = n_tok
+        self.out_shape = (n_tok, r.num_q_heads, r.v_head_dim)
+        self.dtype = q_extend.dtype
+        self.device = q_extend.device
+        self.return_lse = return_lse
+        self.config = cfg = r.config(k_buffer.dtype)
+        self._kv_dtype = k_buffer.dtype
+        self._tiles = bs * r.head_tiles
+        self._size(kv_len)
+        if sm_scale is None:
+            sm_scale = 1.0 / math.sqrt(r.head_dim)
+        use_mask = custom_mask is not None
+        min_split = -(-min_split_tokens() // cfg.block_n) * cfg.block_n
+        # Bound metadata: the same tensors every run (their values may change).
+        self._meta = (
+            qo_indptr, kv_indptr, kv_indices,
+            custom_mask if use_mask else kv_indptr,  # placeholder pointer, never read
+            mask_indptr if use_mask else kv_indptr,
+            sinks if sinks is not None else q_extend,  # placeholder pointer, never read
+        )
+        self._scales = (float(sm_scale) * float(k_scale) * LOG2E, float(sm_scale) * LOG2E, float(v_scale))
+        self._pool_tokens = min(k_buffer.shape[0], v_buffer.shape[0])
+        self._min_split = min_split
+        self._set_scalars(kv_len, custom_mask)
+        self._strides = (
+            q_extend.stride(0), q_extend.stride(1),
+            k_extend.stride(0), k_extend.stride(1),
+            v_extend.stride(0), v_extend.stride(1),
+            k_buffer.stride(0), k_buffer.stride(1),
+            v_buffer.stride(0), v_buffer.stride(1),
+        )
+        constexprs = dict(
+            NUM_Q_HEADS=r.num_q_heads,
+            GROUP=r.num_q_heads // r.num_kv_heads,
+            HEADS_PER_TILE=r.heads_per_tile,
+            M_BLOCKS=r.m_blocks,
+            HEAD_DIM=r.head_dim,
+            V_HEAD_DIM=r.v_head_dim,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_N_DRAFT=max(16, min(cfg.block_n, _next_pow2(r.max_len_extend))),
+            BLOCK_D=_next_pow2(r.head_dim),
+            BLOCK_DV=_next_pow2(r.v_head_dim),
+            SPLIT_TOKENS=r.split_tokens or 0,
+            USE_MASK=use_mask,
+            IS_CAUSAL=bool(is_causal),
+            ATTEND_DRAFT=bool(attend_draft),
+            HAS_SINKS=sinks is not None,
+            WRITE_LSE=bool(return_lse),
+            MERGE_UNROLL=4,
+            DOT_PRECISION="ieee" if q_extend.dtype == torch.float32 else None,
+        )
+        options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self._launch = r._launcher(tuple(constexprs.values()) + (cfg,), constexprs, options)
+
+    def _size(self, kv_len: int) -> None:
+        """Split count, grid and scratch for ``kv_len`` entries of ``kv_indices``."""
+        r, bs = self.runner, self.batch_size
+        self.kv_len = kv_len
+        self.n_splits = r.n_splits(bs, kv_len // bs, self._kv_dtype)
+        self.grid = (self._tiles, self.n_splits, 1)
+        if self._tiles >= 2**31 or self.n_splits > MAX_GRID_SPLITS:
+            raise ValueError(f"grid {self.grid[:2]} exceeds CUDA's launch limits")
+        rows = self._tiles * self.n_splits * self.config.block_m
+        self.scratch_bytes = 0 if self.n_splits == 1 else rows * (r.v_head_dim + 1) * 4
+        self._part_rows = rows
+        if r.workspace is not None and self.n_splits > 1 and rows * (r.v_head_dim + 1) > r._ws_parts.numel():
+            raise ValueError("the workspace is too small for this call's slices")
+
+    def _set_scalars(self, kv_len: int, custom_mask) -> None:
+        self._scalars = (
+            *self._scales, self.num_tokens, self._pool_tokens, kv_len,
+            custom_mask.numel() if custom_mask is not None else 0, self.n_splits, self._min_split,
+        )
+
+    def rebind(self, qo_indptr, kv_indptr, kv_indices, custom_mask=None, mask_indptr=None, sinks=None) -> None:
+        """Point the plan at another step's metadata of the same signature.
+
+        The drop-in uses it to reuse one plan across eager steps: the tensors
+        are new every step and ``kv_indices`` grows, but shapes, dtypes and
+        scalars are the same. Only the split count may change (it follows
+        ``len(kv_indices) // batch``, rounded as :func:`splitkv.choose_n_splits` does).
+        """
+        kv_len = kv_indices.shape[0]
+        if kv_len != self.kv_len:
+            self._size(kv_len)
+        use_mask = custom_mask is not None
+        self._meta = (
+            qo_indptr, kv_indptr, kv_indices,
+            custom_mask if use_mask else kv_indptr,
+            mask_indptr if use_mask else kv_indptr,
+            sinks if sinks is not None else self._meta[5],
+        )
+        self._set_scalars(kv_len, custom_mask)
+
+    def run(self, q_extend, k_extend, v_extend, k_buffer, v_buffer, out=None, lse=None):
+        """Launch for one layer's tensors (same shapes, dtypes and strides as planned).
+
+        Args:
+            q_extend, k_extend, v_extend, k_buffer, v_buffer: the layer's tensors.
+            out: ``[tokens, H_Q, Dv]`` output to write (default: a new tensor).
+                Rows past ``qo_indptr[-1]`` are not written.
+            lse: ``[tokens, H_Q]`` float32 for the natural-log LSE when the plan
+                has ``return_lse`` (default: a new tensor).
 
         Returns:
-            ``o_extend``, written.
-
-        Raises:
-            ValueError: if the batch exceeds ``max_bs`` or holds more draft
-                rows than ``batch x max_len_extend``.
+            ``out``, or ``(out, lse)`` when the plan has ``return_lse``.
         """
-        bs = qo_indptr.shape[0] - 1
-        if bs > self.max_bs:
-            raise ValueError(f"batch of {bs} exceeds this runner's max_bs={self.max_bs}")
-        if q_extend.shape[0] > bs * self.max_len_extend:
-            raise ValueError(f"{q_extend.shape[0]} draft rows exceed bs * max_len_extend")
-        n_splits = self.n_splits(bs, kv_indices.shape[0] // bs)
-        part_o, part_lse = self.scratch()
-        split_kv_partials(
-            q_extend, k_extend, v_extend, k_buffer, v_buffer,
-            qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, is_causal,
-            part_o, part_lse,
-            batch_size=bs, max_len_extend=self.max_len_extend, n_splits=n_splits,
-            sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-            pack_gqa=self.pack_gqa, config=self.config, pdl=self.pdl,
-        )
-        merge_partials(part_o, part_lse, o_extend, qo_indptr, sinks, batch_size=bs, n_splits=n_splits,
-                       pdl=self.pdl)
-        return o_extend
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        if self.return_lse and lse is None:
+            lse = torch.empty(self.out_shape[:2], dtype=torch.float32, device=self.device)
+        r = self.runner
+        if self.n_splits == 1:
+            parts = cnt = out  # placeholder pointers, never read
+            lse_offset = 0
+        elif r.workspace is not None:
+            parts, cnt = r._ws_parts, r._ws_counters
+            lse_offset = self._part_rows * r.v_head_dim
+        else:
+            parts = torch.empty(self._part_rows * (r.v_head_dim + 1), dtype=torch.float32, device=self.device)
+            cnt = counters(self.device, self._tiles)
+            lse_offset = self._part_rows * r.v_head_dim
+        self._launch(self.grid, (
+            q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse if lse is not None else out,
+            *self._meta, parts, lse_offset, cnt,
+            *self._scalars, *self._strides, out.stride(0), out.stride(1),
+        ))
+        return (out, lse) if self.return_lse else out
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()

@@ -1,31 +1,39 @@
 """How many slices to cut each prefix into: the split chooser.
 
-Stage 1 launches ``batch x head_tiles x (n_splits + 1)`` programs (the ``+ 1``
-is the draft block). Verify attention is memory-bound, so the goal is to keep
-every SM streaming KV: enough programs for a few full waves, but no slice so
-short that its fixed costs (loading the query tile, writing a partial that
-stage 2 must read back) outweigh the prefix bytes it streams.
+The verify kernel's grid is ``(batch x head_tiles, n_splits)``. Verify
+attention is memory-bound, so the goal is to keep every SM streaming KV:
+enough programs for a few full waves, but no slice so short that its fixed
+costs (loading the query tile, writing a partial that the merge must read
+back) outweigh the prefix bytes it streams.
 
 The rule, from static shapes only (no device value is read, so it is safe
 inside CUDA-graph capture)::
 
-    base    = batch x head_tiles                   programs per split
-    slots   = PROGRAMS_PER_SM x num_sms            programs the device runs at once
-    useful  = clamp(prefix_len // MIN_SPLIT_TOKENS, 1, MAX_SPLITS)
+    base    = batch x head_tiles                   programs per slice
+    slots   = programs_per_sm x num_sms            programs the device runs at once
+    useful  = clamp(cdiv(prefix_len, min_split_tokens), 1, MAX_SPLITS)
     waves(n)      = base x n / slots
     efficiency(n) = waves(n) / ceil(waves(n))      busy fraction of the last wave
     n_splits = the smallest n <= useful whose efficiency is within 5 % of the
                best over 1 .. useful
 
 Wave quantisation is the point: on an H200 (132 SMs, two programs each),
-64 programs per split with 4 splits fill 256 of 264 slots in one wave, while
-9 splits need 576 programs, 2.2 waves, and run about 20 % slower. A batch
-that fills the device by itself (``base >= slots``) gets one split.
+64 programs per slice with 4 slices fill 256 of 264 slots in one wave, while
+9 slices need 576 programs, 2.2 waves, and run about 20 % slower. A batch
+that fills the device by itself (``base >= slots``) gets one slice.
 
-``prefix_len`` is the *average* prefix, ``kv_indices.shape[0] // batch``: under
-CUDA graphs ``kv_indices`` is a buffer of fixed (maximum) size, so the split
-count is fixed per captured batch size while the kernel cuts each sequence's
-actual prefix into that many slices at run time.
+``n_splits`` is the grid's size; each sequence's own prefix decides how many
+of those programs get keys (the kernel's ``n_used``, never more than
+``n_splits``, never slices shorter than ``min_split_tokens``). So
+``prefix_len`` needs only be a representative length, and the chooser is
+asked with it rounded up to a multiple of ``min_split_tokens``: as a prefix
+grows token by token from step to step, the answer (and its cache entry)
+changes only every ``min_split_tokens`` tokens.
+
+``programs_per_sm`` and ``min_split_tokens`` come from the H200 sweep
+(:mod:`splitkv.tuning`). :func:`fixed_n_splits` is the other mode: a fixed
+slice length, which makes every sequence's result independent of the batch
+it runs in.
 """
 
 from __future__ import annotations
@@ -37,18 +45,16 @@ import torch
 
 __all__ = [
     "choose_n_splits",
+    "fixed_n_splits",
     "device_sm_count",
     "MAX_SPLITS",
-    "MIN_SPLIT_TOKENS",
-    "PROGRAMS_PER_SM",
+    "MAX_GRID_SPLITS",
 ]
 
-#: Stage-1 programs resident per SM (register- and shared-memory-bound: two).
-PROGRAMS_PER_SM = 2
-#: A slice streams at least this many prefix tokens.
-MIN_SPLIT_TOKENS = 128
-#: Upper bound on slices: bounds the scratch and the merge's work per row.
+#: Upper bound on adaptive slices: bounds the scratch and the merge's work per row.
 MAX_SPLITS = 64
+#: CUDA's limit on grid axis 1, where the slices go.
+MAX_GRID_SPLITS = 65535
 #: SM count assumed under the Triton interpreter (no device to ask).
 INTERPRETER_SMS = 8
 
@@ -67,15 +73,14 @@ def device_sm_count(device) -> int:
     return _cuda_sm_count(index)
 
 
-@functools.lru_cache(maxsize=4096)
 def choose_n_splits(
     batch_size: int,
     head_tiles: int,
     prefix_len: int,
     num_sms: int,
     *,
-    programs_per_sm: int = PROGRAMS_PER_SM,
-    min_split_tokens: int = MIN_SPLIT_TOKENS,
+    programs_per_sm: int = 2,
+    min_split_tokens: int = 128,
     max_splits: int = MAX_SPLITS,
 ) -> int:
     """Number of prefix slices per sequence for one verify call.
@@ -87,20 +92,38 @@ def choose_n_splits(
         prefix_len: representative prefix length (``kv_indices.shape[0] //
             batch_size``), a Python int read off shapes.
         num_sms: streaming multiprocessors (:func:`device_sm_count`).
+        programs_per_sm: programs one SM runs at once.
+        min_split_tokens: shortest slice worth a program.
+        max_splits: most slices.
 
     Returns:
-        An int in ``[1, max_splits]``. Results are cached: the rule runs once
-        per distinct shape, not once per call.
+        An int in ``[1, max_splits]``. Results are cached per
+        ``(batch, head_tiles, cdiv(prefix_len, min_split_tokens), ...)``.
     """
-    if batch_size < 1 or head_tiles < 1 or num_sms < 1:
-        raise ValueError("batch_size, head_tiles and num_sms must be positive")
-    base = batch_size * head_tiles
-    slots = programs_per_sm * num_sms
-    useful = max(1, min(int(prefix_len) // min_split_tokens, max_splits))
+    if batch_size < 1 or head_tiles < 1 or num_sms < 1 or programs_per_sm < 1 or min_split_tokens < 1:
+        raise ValueError("batch_size, head_tiles, num_sms, programs_per_sm and min_split_tokens must be positive")
+    useful = max(1, min(-(-int(prefix_len) // min_split_tokens), max_splits))
+    return _choose(batch_size * head_tiles, programs_per_sm * num_sms, useful)
 
+
+@functools.lru_cache(maxsize=4096)
+def _choose(base: int, slots: int, useful: int) -> int:
     def efficiency(n: int) -> float:
         waves = base * n / slots
         return waves / math.ceil(waves)
 
     best = max(efficiency(n) for n in range(1, useful + 1))
     return next(n for n in range(1, useful + 1) if efficiency(n) >= 0.95 * best)
+
+
+def fixed_n_splits(kv_len: int, split_tokens: int) -> int:
+    """Grid slices for the fixed-slice (batch-invariant) mode.
+
+    Every sequence's prefix is cut into ``cdiv(n_prefix, split_tokens)``
+    slices whatever the batch; no prefix is longer than ``kv_indices``
+    (``kv_len`` entries), so ``cdiv(kv_len, split_tokens)`` slices always
+    suffice.
+    """
+    if split_tokens < 1:
+        raise ValueError(f"split_tokens must be positive, got {split_tokens}")
+    return max(1, -(-int(kv_len) // split_tokens))

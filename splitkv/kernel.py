@@ -1,0 +1,387 @@
+"""The split-KV verify kernel: one launch, prefix slices merged by the last program.
+
+What one launch computes. Sequence ``b`` has ``n_draft`` draft tokens (rows
+``qo_indptr[b]:qo_indptr[b+1]`` of ``q_extend``/``k_extend``/``v_extend``) and a
+prefix of ``n_prefix`` keys (token-pool slots
+``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` of ``k_buffer``/``v_buffer``). Every
+draft token attends to the whole prefix and, causally or through a tree mask,
+to the draft tokens.
+
+The grid is ``(tiles, n_splits)``:
+
+* axis 0 (``tiles = batch x head_tiles x m_blocks``, up to 2^31 - 1) picks a
+  *tile*: one sequence, one KV head, a block of query rows;
+* axis 1 (``n_splits`` <= 65535) picks a *slice* of that sequence's prefix.
+
+GQA packing. A KV head serves ``GROUP`` query heads; one tile takes all of
+them, times the draft tokens, as the rows of its query block::
+
+    tile row r  ->  draft token l = r // GROUP,  query head  h = kv_head * GROUP + r % GROUP
+
+so each K/V row gathered is multiplied against ``GROUP * L`` query rows and the
+prefix is read once per KV head. Rows are padded to a power of two (at least
+16, what a tensor-core dot needs); ``m_blocks > 1`` when they exceed ``BLOCK_M``.
+(``HEADS_PER_TILE = 1`` gives the seed's one-query-head-per-program layout,
+kept for teaching and benchmarks: it reads the prefix ``GROUP`` times.)
+
+Slices. The sequence's prefix is cut into ``n_used`` slices of ``split_len``
+keys (a multiple of ``BLOCK_N``)::
+
+    adaptive:        split_len = max(roundup(cdiv(n_prefix, n_splits), BLOCK_N), min_split)
+    fixed (SPLIT_TOKENS > 0):  split_len = SPLIT_TOKENS         (batch-invariant)
+    n_used = max(1, cdiv(n_prefix, split_len))     <= n_splits
+
+Programs with ``split >= n_used`` exit at once: a short prefix in a ragged
+batch is not over-split. The program of the last slice also attends to the
+draft block (same online softmax, other keys and scale), so the draft tokens
+cost no extra program.
+
+Merging in the same launch. With ``n_used == 1`` the tile's only program
+normalises and writes the output itself. Otherwise every program writes its
+slice's normalised output ``o_s`` and log-sum-exp ``lse_s`` to scratch, then
+increments the tile's counter in global memory (an atomic with acquire-release
+ordering, after a barrier so all its threads' stores are done). The program
+that sees ``n_used - 1`` is the last: every slice is written, so it merges::
+
+    lse = log sum_s exp(lse_s)          o = sum_s exp(lse_s - lse) * o_s
+
+reading the slices in order ``s = 0, 1, ...`` whichever program finished
+last, so results are bitwise identical run to run. It then sets the counter
+back to 0, so the next launch (a CUDA-graph replay too) finds it zeroed
+without a memset. Attention sinks add ``exp(sink)`` to the denominator once,
+at the end.
+
+Memory layout. Pool rows ``[pool_tokens, H_KV, D]`` are gathered through
+``kv_indices``; K is loaded transposed (``[D, BLOCK_N]``) for the dot. Scratch
+(float32) is per tile and slice, so the merging program reads one block::
+
+    part_o  [tiles, n_splits, BLOCK_M, V_HEAD_DIM]
+    part_lse[tiles, n_splits, BLOCK_M]            (base 2)
+
+Bounds. Every gather is bounded: pool slots outside ``[0, pool_tokens)``,
+index positions outside ``kv_indices``, mask positions outside
+``custom_mask`` and rows outside the draft tensors are never dereferenced (a
+key with a bad slot is treated as absent). Malformed metadata gives a wrong
+answer, never an illegal address; the checked mode
+(:func:`splitkv.checks.check_verify_values`) turns it into a ``ValueError``.
+
+Base 2. Scores are pre-multiplied by ``log2(e)`` so exponentials are ``exp2``
+(one instruction); LSEs are kept in base 2 and converted (``x ln 2``) only when
+written out.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["TileConfig", "tile_config", "rows_per_tile", "block_m_for", "LOG2E"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over a tile of keys.
+
+    ``q [BLOCK_M, D]`` against ``k [D, BLOCK_N]`` (stored transposed), values
+    ``v [BLOCK_N, DV]``; ``visible [BLOCK_M, BLOCK_N]`` masks the scores. The
+    running row maximum ``m_i`` (base 2), row sum ``l_i`` and unnormalised
+    output ``acc`` are rescaled by ``2^(m_old - m_new)`` when the maximum grows.
+    A row that has seen no visible key keeps ``m_i = -inf`` and ``l_i = 0``.
+    """
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Shift by 0 where a row is still empty: avoids (-inf) - (-inf) = NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_shift)
+    p = tl.exp2(s - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _finish(acc, m_i, l_i, sink2, HAS_SINKS: tl.constexpr):
+    """Normalise ``acc`` by its softmax denominator (+ a sink); return ``(o, lse2)``.
+
+    With a sink (base-2 logit ``sink2``, no value row) the denominator is
+    ``l * 2^(m - M) + 2^(sink2 - M)`` with ``M = max(m, sink2)``. A row with no
+    visible key and no sink gets ``o = 0``, ``lse2 = -inf``.
+    """
+    if HAS_SINKS:
+        m_top = tl.maximum(m_i, sink2)
+        scale = tl.exp2(m_i - m_top)  # 0 where m_i = -inf
+        den = l_i * scale + tl.exp2(sink2 - m_top)
+        acc = acc * scale[:, None]
+    else:
+        m_top = m_i
+        den = l_i
+    has = den > 0
+    o = acc / tl.where(has, den, 1.0)[:, None]
+    lse2 = tl.where(has, m_top + tl.log2(tl.where(has, den, 1.0)), float("-inf"))
+    return o, lse2
+
+
+@triton.jit(do_not_specialize=["lse_offset", "num_tokens", "pool_tokens", "kv_len", "mask_len", "n_splits", "min_split"])
+def _verify_kernel(
+    Q, K_Ext, V_Ext, K_Buf, V_Buf, O, LSE_Out,
+    qo_indptr, kv_indptr, kv_indices, Mask, mask_indptr, Sinks,
+    Part_O, lse_offset, Counters,  # scratch: partial outputs, then (at lse_offset) partial LSEs
+    qk_scale_prefix,  # sm_scale * k_scale * log2(e)
+    qk_scale_draft,  # sm_scale * log2(e)
+    v_scale,
+    num_tokens,  # rows of q/k/v_extend and o_extend
+    pool_tokens,  # rows of k_buffer/v_buffer
+    kv_len,  # entries of kv_indices
+    mask_len,  # entries of custom_mask
+    n_splits,  # grid axis 1
+    min_split,  # adaptive mode: fewest keys per slice (a multiple of BLOCK_N)
+    stride_qt, stride_qh,
+    stride_ket, stride_keh,
+    stride_vet, stride_veh,
+    stride_kbt, stride_kbh,
+    stride_vbt, stride_vbh,
+    stride_ot, stride_oh,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEADS_PER_TILE: tl.constexpr,  # GROUP (packed) or 1 (one query head per tile)
+    M_BLOCKS: tl.constexpr,  # row blocks per (sequence, head tile)
+    HEAD_DIM: tl.constexpr,
+    V_HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_N_DRAFT: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr,  # > 0: fixed slice length (batch-invariant mode)
+    USE_MASK: tl.constexpr,  # draft visibility from custom_mask
+    IS_CAUSAL: tl.constexpr,  # else causal if set, else every draft token visible
+    ATTEND_DRAFT: tl.constexpr,  # False: prefix only (context-parallel shards)
+    HAS_SINKS: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    MERGE_UNROLL: tl.constexpr,  # slices the merging program loads per step
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    Part_LSE = Part_O + lse_offset
+    HEAD_TILES: tl.constexpr = NUM_Q_HEADS // HEADS_PER_TILE
+    b = tile // (HEAD_TILES * M_BLOCKS)
+    head_tile = (tile // M_BLOCKS) % HEAD_TILES
+    m_block = tile % M_BLOCKS
+    kv_head = head_tile * HEADS_PER_TILE // GROUP
+
+    # Sequence metadata, clamped to the tensors it indexes (see "Bounds").
+    q_start = tl.minimum(tl.maximum(tl.load(qo_indptr + b), 0), num_tokens)
+    q_end = tl.minimum(tl.maximum(tl.load(qo_indptr + b + 1), q_start), num_tokens)
+    n_draft = q_end - q_start
+    kv_start = tl.minimum(tl.maximum(tl.load(kv_indptr + b), 0), kv_len)
+    kv_end = tl.minimum(tl.maximum(tl.load(kv_indptr + b + 1), kv_start), kv_len)
+    n_prefix = kv_end - kv_start
+
+    if SPLIT_TOKENS > 0:
+        split_len = SPLIT_TOKENS
+    else:
+        split_len = tl.maximum(tl.cdiv(tl.cdiv(n_prefix, n_splits), BLOCK_N) * BLOCK_N, min_split)
+    n_used = tl.maximum(tl.cdiv(n_prefix, split_len), 1)
+    if SPLIT_TOKENS > 0:
+        # The host sizes the grid so this never binds; if it did, stay exact.
+        split_len = tl.where(n_used > n_splits, tl.cdiv(tl.cdiv(n_prefix, n_splits), BLOCK_N) * BLOCK_N,
+                             split_len)
+        n_used = tl.minimum(n_used, n_splits)
+    if (split < n_used) & (m_block * BLOCK_M < n_draft * HEADS_PER_TILE):
+        # Query rows: draft token l, query head h (see the module docstring).
+        r = tl.arange(0, BLOCK_M)
+        rows = m_block * BLOCK_M + r
+        l = rows // HEADS_PER_TILE
+        h = head_tile * HEADS_PER_TILE + rows % HEADS_PER_TILE
+        row_ok = l < n_draft
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        d_ok = offs_d < HEAD_DIM
+        dv_ok = offs_dv < V_HEAD_DIM
+
+        q = tl.load(
+            Q + (q_start + l).to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+        )
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+        # 1. This slice of the prefix: every key visible.
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, n_prefix)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < hi
+            # Gather: the pool row of key n is kv_indices[kv_start + n].
+            slot = tl.load(kv_indices + kv_start + offs_n, mask=n_ok, other=0).to(tl.int64)
+            n_ok = n_ok & (slot >= 0) & (slot < pool_tokens)
+            k = tl.load(
+                K_Buf + slot[None, :] * stride_kbt + kv_head * stride_kbh + offs_d[:, None],
+                mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+            )
+            v = tl.load(
+                V_Buf + slot[:, None] * stride_vbt + kv_head * stride_vbh + offs_dv[None, :],
+                mask=n_ok[:, None] & dv_ok[None, :], other=0.0,
+            )
+            m_i, l_i, acc = _attend_tile(
+                q, k.to(q.dtype), v.to(q.dtype), n_ok[None, :], qk_scale_prefix,
+                m_i, l_i, acc, DOT_PRECISION,
+            )
+        acc = acc * v_scale  # fp8 pools: dequantise V once, on the slice's output
+
+        # 2. The last slice's program also takes the draft block.
+        if ATTEND_DRAFT:
+            if split == n_used - 1:
+                for start in range(0, n_draft, BLOCK_N_DRAFT):
+                    j = start + tl.arange(0, BLOCK_N_DRAFT)
+                    j_ok = j < n_draft
+                    k = tl.load(
+                        K_Ext + (q_start + j).to(tl.int64)[None, :] * stride_ket + kv_head * stride_keh
+                        + offs_d[:, None],
+                        mask=j_ok[None, :] & d_ok[:, None], other=0.0,
+                    )
+                    v = tl.load(
+                        V_Ext + (q_start + j).to(tl.int64)[:, None] * stride_vet + kv_head * stride_veh
+                        + offs_dv[None, :],
+                        mask=j_ok[:, None] & dv_ok[None, :], other=0.0,
+                    )
+                    visible = row_ok[:, None] & j_ok[None, :]
+                    if USE_MASK:
+                        # Row l of the sequence's mask spans [prefix keys | draft keys].
+                        pos = (tl.load(mask_indptr + b).to(tl.int64) + l.to(tl.int64)[:, None] * (n_prefix + n_draft)
+                               + n_prefix + j[None, :])
+                        in_mask = visible & (pos >= 0) & (pos < mask_len)
+                        allowed = tl.load(Mask + pos, mask=in_mask, other=0)
+                        visible = in_mask & (allowed != 0)
+                    elif IS_CAUSAL:
+                        visible = visible & (j[None, :] <= l[:, None])
+                    m_i, l_i, acc = _attend_tile(
+                        q, k, v, visible, qk_scale_draft, m_i, l_i, acc, DOT_PRECISION
+                    )
+
+        sink2 = 0.0
+        if HAS_SINKS:
+            sink2 = tl.load(Sinks + h, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        out_rows = (q_start + l).to(tl.int64)
+        o_ptrs = O + out_rows[:, None] * stride_ot + h[:, None] * stride_oh + offs_dv[None, :]
+        out_mask = row_ok[:, None] & dv_ok[None, :]
+        if n_used == 1:
+            # 3a. The tile's only program: finish in registers.
+            o, lse2 = _finish(acc, m_i, l_i, sink2, HAS_SINKS)
+            tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=out_mask)
+            if WRITE_LSE:
+                tl.store(LSE_Out + out_rows * NUM_Q_HEADS + h, lse2 * 0.6931471805599453, mask=row_ok)
+        else:
+            # 3b. Publish this slice; the last program of the tile merges.
+            o_s, lse_s = _finish(acc, m_i, l_i, sink2, False)
+            part = (tile.to(tl.int64) * n_splits + split) * BLOCK_M + r
+            tl.store(Part_O + part[:, None] * V_HEAD_DIM + offs_dv[None, :], o_s, mask=dv_ok[None, :])
+            tl.store(Part_LSE + part, lse_s)
+            tl.debug_barrier()  # every thread's stores issued before the release below
+            done = tl.atomic_add(Counters + tile, 1, sem="acq_rel", scope="gpu")
+            if done == n_used - 1:
+                tl.atomic_xchg(Counters + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+                first = tile.to(tl.int64) * n_splits * BLOCK_M
+                m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of lse_s (base 2)
+                den = tl.zeros([BLOCK_M], tl.float32)  # sum_s 2^(lse_s - m)
+                acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)  # sum_s 2^(lse_s - m) * o_s
+                for s0 in range(0, n_used, MERGE_UNROLL):
+                    for u in tl.static_range(MERGE_UNROLL):
+                        s = s0 + u
+                        rs = first + s * BLOCK_M + r
+                        s_ok = row_ok & ((r * 0 + s) < n_used)
+                        # .cg: read through L2, where the other programs' stores are.
+                        lse_u = tl.load(Part_LSE + rs, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+                        o_u = tl.load(Part_O + rs[:, None] * V_HEAD_DIM + offs_dv[None, :],
+                                      mask=s_ok[:, None] & dv_ok[None, :], other=0.0, cache_modifier=".cg")
+                        m_new = tl.maximum(m, lse_u)
+                        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                        alpha = tl.exp2(m - m_shift)
+                        w = tl.exp2(lse_u - m_shift)
+                        den = den * alpha + w
+                        acc = acc * alpha[:, None] + tl.where(w[:, None] > 0, w[:, None] * o_u, 0.0)
+                        m = m_new
+                # Merged parts stand for one state with m = running max and l = den.
+                o, lse2 = _finish(acc, m, den, sink2, HAS_SINKS)
+                tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=out_mask)
+                if WRITE_LSE:
+                    tl.store(LSE_Out + out_rows * NUM_Q_HEADS + h, lse2 * 0.6931471805599453, mask=row_ok)
+
+
+class TileConfig:
+    """Launch shape of the verify kernel (performance only, never results).
+
+    Attributes:
+        block_m: query rows per tile (a power of two, at least 16).
+        block_n: prefix keys per loop step.
+        num_warps: warps per program.
+        num_stages: software-pipelining depth of the key loop.
+    """
+
+    __slots__ = ("block_m", "block_n", "num_warps", "num_stages")
+
+    def __init__(self, block_m, block_n, num_warps, num_stages):
+        self.block_m, self.block_n = block_m, block_n
+        self.num_warps, self.num_stages = num_warps, num_stages
+
+    def __repr__(self):
+        return (
+            f"TileConfig(block_m={self.block_m}, block_n={self.block_n}, "
+            f"num_warps={self.num_warps}, num_stages={self.num_stages})"
+        )
+
+    def __eq__(self, other):
+        return isinstance(other, TileConfig) and all(
+            getattr(self, a) == getattr(other, a) for a in self.__slots__
+        )
+
+    def __hash__(self):
+        return hash(tuple(getattr(self, a) for a in self.__slots__))
+
+
+def rows_per_tile(heads_per_tile: int, max_len_extend: int) -> int:
+    """Query rows one (sequence, head tile) needs: heads x draft tokens."""
+    return heads_per_tile * max_len_extend
+
+
+def block_m_for(rows: int) -> int:
+    """``BLOCK_M`` for ``rows`` query rows: a power of two in ``[16, 64]``.
+
+    At least 16 for the tensor cores; at most 64 to bound the fp32
+    accumulator ``BLOCK_M x DV`` (more rows take several row blocks).
+    """
+    return min(64, max(16, triton.next_power_of_2(rows)))
+
+
+def tile_config(head_dim: int, v_head_dim: int, rows: int, interpret: bool = False,
+                kv_bytes: int = 2) -> TileConfig:
+    """Block sizes for a head configuration, from the H200 sweep.
+
+    The table :data:`splitkv.tuning.TUNED` (``python -m splitkv.tune``) holds
+    the fastest ``(BLOCK_N, warps, stages)`` measured per (head dim, rows per
+    tile, pool element size); a configuration it does not list takes the
+    nearest measured one by head dim and rows.
+
+    Args:
+        head_dim: query/key head dimension.
+        v_head_dim: value head dimension.
+        rows: query rows per (sequence, head tile), see :func:`rows_per_tile`.
+        interpret: small tiles for the Triton interpreter.
+        kv_bytes: bytes per pool element (2 for 16-bit pools, 1 for fp8).
+
+    Returns:
+        The :class:`TileConfig`.
+    """
+    from .tuning import tuned_tile
+
+    block_m = block_m_for(rows)
+    if interpret:
+        return TileConfig(block_m, 16, 4, 1)
+    block_n, warps, stages = tuned_tile(max(head_dim, v_head_dim), block_m, kv_bytes)
+    return TileConfig(block_m, block_n, warps, stages)

@@ -1,0 +1,76 @@
+"""Launch settings measured on the H200: the table the kernel's tile choice reads.
+
+``tuned_h200.json`` beside this file is written by ``python -m splitkv.tune``
+(a sweep over BLOCK_N, warps and pipeline stages, and over the split
+chooser's slice length, timed from CUDA graphs with ``do_bench``). It holds:
+
+* ``tiles``: per (widest head dim, BLOCK_M, pool bytes per element) the fastest
+  ``block_n``, ``num_warps``, ``num_stages`` and the programs per SM that the
+  compiled kernel's registers and shared memory allow;
+* ``min_split_tokens``: the shortest prefix slice worth a program of its own;
+* the device, date and software versions of the sweep.
+
+A key the sweep did not measure takes the nearest measured entry (same pool
+element size, then nearest head dim, then nearest BLOCK_M).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Dict, Tuple
+
+from .checks import interpreting
+
+__all__ = ["TUNED", "tuned_tile", "programs_per_sm", "min_split_tokens", "TABLE_PATH"]
+
+#: Where the sweep's table lives.
+TABLE_PATH = os.path.join(os.path.dirname(__file__), "tuned_h200.json")
+
+
+def _load() -> dict:
+    with open(TABLE_PATH) as f:
+        table = json.load(f)
+    tiles = {}
+    for row in table["tiles"]:
+        tiles[(row["head_dim"], row["block_m"], row["kv_bytes"])] = row
+    table["tiles"] = tiles
+    return table
+
+
+#: The sweep's table (see the module docstring).
+TUNED: dict = _load()
+
+
+@functools.lru_cache(maxsize=None)
+def _nearest(head_dim: int, block_m: int, kv_bytes: int) -> Dict:
+    tiles = TUNED["tiles"]
+    if (head_dim, block_m, kv_bytes) in tiles:
+        return tiles[(head_dim, block_m, kv_bytes)]
+    same = [k for k in tiles if k[2] == kv_bytes] or list(tiles)
+    key = min(same, key=lambda k: (abs(k[0] - head_dim), abs(k[1] - block_m)))
+    return tiles[key]
+
+
+def tuned_tile(head_dim: int, block_m: int, kv_bytes: int) -> Tuple[int, int, int]:
+    """``(block_n, num_warps, num_stages)`` for the widest head dim, BLOCK_M and pool element size."""
+    row = _nearest(head_dim, block_m, kv_bytes)
+    return row["block_n"], row["num_warps"], row["num_stages"]
+
+
+def programs_per_sm(head_dim: int, block_m: int, kv_bytes: int) -> int:
+    """Programs of the verify kernel one SM holds at once (from the sweep's compiled kernels)."""
+    return _nearest(head_dim, block_m, kv_bytes)["programs_per_sm"]
+
+
+#: Under the Triton interpreter (CPU tests): short slices, so that small test
+#: problems are cut into several slices and the in-kernel merge runs.
+INTERPRETER_MIN_SPLIT_TOKENS = 32
+
+
+def min_split_tokens() -> int:
+    """The shortest prefix slice the adaptive chooser gives a program of its own."""
+    if interpreting():
+        return INTERPRETER_MIN_SPLIT_TOKENS
+    return TUNED["min_split_tokens"]
