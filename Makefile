@@ -1,41 +1,72 @@
-# splitkv: one-command set-up and runs. `make demo` and `make test` work on a fresh machine.
+# splitkv: one-command set-up and runs. `make demo` and `make test` work on a
+# fresh machine with Python >= 3.10 and make.
+#
+# The first run creates the virtual environment .venv and installs into it;
+# later runs reuse it, and run pip again only when pyproject.toml has changed
+# since (stamp files in .venv record what was installed). `make reinstall`
+# forces a fresh install, e.g. after changing TORCH.
 PYTHON ?= python3
 VENV   ?= .venv
-# torch 2.13.0 resolves to the CPU build kept on this project's machines. On a
-# GPU machine whose Python already has torch, keep it:
-#   make demo TORCH= VENV_FLAGS=--system-site-packages
+# PyTorch, pinned: on a machine without CUDA pip may then take a local CPU-only
+# wheel of that release where one is provided (a plain `torch` requirement
+# would fetch a multi-GB CUDA build). On a GPU machine whose Python already
+# has PyTorch, keep it:  make demo TORCH= VENV_FLAGS=--system-site-packages
 TORCH  ?= torch==2.13.0
 VENV_FLAGS ?=
 BIN    := $(VENV)/bin
+# Stamps: the package (+ torch), and the package with every extra.
+CORE_STAMP := $(VENV)/.installed-core
+ALL_STAMP  := $(VENV)/.installed-all
 
-.PHONY: demo test test-py test-notebooks docs docs-build serve-docs bench setup setup-all
+.PHONY: demo test docs notebooks bench setup setup-all reinstall
 
 $(BIN)/activate:
+	@echo ">> Creating the virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	@$(BIN)/python -m pip install -q --upgrade pip
 
-setup: $(BIN)/activate
-	$(BIN)/pip install -q $(TORCH) -e .
+$(CORE_STAMP): pyproject.toml | $(BIN)/activate
+	@echo ">> Installing splitkv, PyTorch and Triton into $(VENV) (quiet; about a minute the first time)"
+	$(BIN)/python -m pip install -q $(TORCH) -e .
+	@touch $@
 
-setup-all: $(BIN)/activate
-	$(BIN)/pip install -q $(TORCH) -e ".[dev,notebooks,docs]"
-	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+$(ALL_STAMP): pyproject.toml | $(BIN)/activate
+	@echo ">> Installing splitkv with its test, notebook and docs tools into $(VENV) (quiet; 1-2 minutes the first time)"
+	$(BIN)/python -m pip install -q $(TORCH) -e ".[dev,notebooks,docs]"
+	@$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	@touch $@ $(CORE_STAMP)
 
-## The main job: parity and timing table (interpreter at small shapes on a CPU, real shapes on a GPU).
-demo: setup
+## Install the package (and PyTorch) into .venv; a no-op when up to date.
+setup: $(CORE_STAMP)
+
+## Install the package with every extra (tests, notebooks, docs) into .venv.
+setup-all: $(ALL_STAMP)
+
+## Run pip again now, whatever the stamps say (e.g. after changing TORCH).
+reinstall:
+	@if [ -e $(ALL_STAMP) ]; then rm -f $(CORE_STAMP) $(ALL_STAMP); $(MAKE) --no-print-directory setup-all; \
+	else rm -f $(CORE_STAMP); $(MAKE) --no-print-directory setup; fi
+
+## The demo: split-KV against the float64 oracle and the baseline, with times
+## (CPU: Triton interpreter, small shapes, 1-2 minutes; GPU: real shapes).
+demo: $(CORE_STAMP)
 	$(BIN)/python -m splitkv demo
 
 ## Every test: unit/property tests, notebooks under nbval, the docs build and the browser check.
-test: setup-all
+test: $(ALL_STAMP)
 	$(BIN)/python -m pytest -q tests --ignore=tests/browser
 	$(BIN)/python -m pytest -q --nbval notebooks
 	$(BIN)/mkdocs build --strict --quiet
 	$(BIN)/python -m pytest -q tests/browser
 
+## Open the tutorial notebooks in JupyterLab (it prints the address to open).
+notebooks: $(ALL_STAMP)
+	$(BIN)/jupyter lab notebooks
+
 ## Build the docs site and serve it on http://127.0.0.1:8000
-docs: setup-all
+docs: $(ALL_STAMP)
 	$(BIN)/mkdocs serve
 
 ## The benchmark (GPU only): writes figures/benchmark_h200.json and the plots.
-bench: setup-all
+bench: $(ALL_STAMP)
 	$(BIN)/python -m splitkv.bench

@@ -35,8 +35,10 @@ from .api import clear_caches, get_runner, verify_attention, verify_splitkv_fwd 
 from .extend import extend_attention_fwd  # noqa: E402
 from .gate import can_handle, decline_reason  # noqa: E402
 from .merge import merge_state, merge_states  # noqa: E402
+from .ops import merge_states_op, verify_attention_op  # noqa: E402
 from .runner import VerifyPlan, VerifySplitKV, workspace_bytes  # noqa: E402
 from .splits import choose_n_splits  # noqa: E402
+from . import testing  # noqa: E402,F401  (splitkv.testing after a plain `import splitkv`)
 
 __version__ = "0.1.0"
 
@@ -52,6 +54,8 @@ __all__ = [
     "workspace_bytes",
     "merge_state",
     "merge_states",
+    "verify_attention_op",
+    "merge_states_op",
     "clear_caches",
     "extend_attention_fwd",
 ]

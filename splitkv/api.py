@@ -59,7 +59,7 @@ def _checking(check: Optional[bool]) -> bool:
 
 
 def get_runner(q_extend, k_extend, v_extend, max_len_extend: int, max_bs: int,
-               split_tokens: Optional[int] = None) -> VerifySplitKV:
+               split_tokens: Optional[int] = None, one_launch: bool = True) -> VerifySplitKV:
     """The cached :class:`VerifySplitKV` for these inputs' head configuration.
 
     Args:
@@ -69,17 +69,18 @@ def get_runner(q_extend, k_extend, v_extend, max_len_extend: int, max_bs: int,
         max_len_extend: most draft tokens per sequence.
         max_bs: most sequences per call (the cached runner's bound grows to it).
         split_tokens: fixed slice length (batch-invariant mode) or ``None``.
+        one_launch: see :class:`VerifySplitKV`.
 
     Returns:
         The runner shared by every call with the same configuration.
     """
     h_q, d = q_extend.shape[1], q_extend.shape[2]
     h_kv, dv = k_extend.shape[1], v_extend.shape[2]
-    key = (str(q_extend.device), h_q, h_kv, d, dv, int(max_len_extend), split_tokens)
+    key = (str(q_extend.device), h_q, h_kv, d, dv, int(max_len_extend), split_tokens, one_launch)
     runner = _RUNNERS.get(key)
     if runner is None:
         runner = VerifySplitKV(h_q, h_kv, d, dv, int(max_len_extend), max_bs, q_extend.device,
-                               split_tokens=split_tokens)
+                               split_tokens=split_tokens, one_launch=one_launch)
         _RUNNERS[key] = runner
     runner.max_bs = max(runner.max_bs, max_bs)  # only bounds checks: no scratch is sized by it
     return runner
@@ -98,14 +99,14 @@ def _signature(q, k, v, o, kb, vb, qo, kvp, kvi, cm, mi, sinks, scalars):
     )
 
 
-def _plan_for(args, features, max_bs, split_tokens, return_lse):
+def _plan_for(args, features, max_bs, split_tokens, return_lse, one_launch=True):
     """The cached plan for a drop-in call, or the gate's reason to decline."""
     (q, k, v, o, kb, vb, qo, kvp, kvi, cm, is_causal, mi, max_len_extend, k_scale, v_scale) = args
     sinks = features["sinks"]
     scalars = (is_causal, max_len_extend, k_scale, v_scale, features["sm_scale"], features["logit_cap"],
                features["skip_prefix_custom_mask"], features["sliding_window_size"],
                features["window_kv_offsets"] is None, features["xai_temperature_len"], max_bs, split_tokens,
-               return_lse)
+               return_lse, one_launch)
     try:
         key = _signature(q, k, v, o, kb, vb, qo, kvp, kvi, cm, mi, sinks, scalars)
         hash(key)
@@ -128,7 +129,7 @@ def _plan_for(args, features, max_bs, split_tokens, return_lse):
     )
     if reason is None:
         bs = qo.shape[0] - 1
-        runner = get_runner(q, k, v, max_len_extend, max_bs, split_tokens)
+        runner = get_runner(q, k, v, max_len_extend, max_bs, split_tokens, one_launch)
         plan = runner.plan(q, k, v, kb, vb, qo, kvp, kvi, cm, mi, is_causal, sm_scale=features["sm_scale"],
                            k_scale=k_scale, v_scale=v_scale, sinks=sinks, return_lse=return_lse)
         assert plan.batch_size == bs
@@ -211,7 +212,8 @@ def verify_splitkv_fwd(
         ``True`` if ``o_extend`` was written, ``False`` if the call was declined.
 
     Raises:
-        ValueError: only in checked mode, for metadata values that are wrong.
+        ValueError: only in checked mode, for metadata values that are wrong
+            or input the gate finds malformed (unchecked, those are declined).
     """
     args = (q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
             custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale)
@@ -219,13 +221,20 @@ def verify_splitkv_fwd(
                     sliding_window_size=sliding_window_size, sinks=sinks, window_kv_offsets=window_kv_offsets,
                     xai_temperature_len=xai_temperature_len)
     bs = qo_indptr.shape[0] - 1 if isinstance(qo_indptr, torch.Tensor) else 0
+    checking = _checking(check)
     plan = _plan_for(args, features, max(max_bs or 1, bs), split_tokens, False)
     if not isinstance(plan, VerifyPlan):
+        if checking and plan.startswith("malformed input"):
+            # Name the bad sequence and field where the values say it.
+            check_verify_values(qo_indptr, kv_indptr, kv_indices, k_buffer.shape[0], max_len_extend,
+                                custom_mask, mask_indptr, num_tokens=q_extend.shape[0])
+            raise ValueError(plan)
         return False
-    if _checking(check):
+    if checking:
         check_verify_values(qo_indptr, kv_indptr, kv_indices, k_buffer.shape[0], max_len_extend,
                             custom_mask, mask_indptr, num_tokens=q_extend.shape[0])
     plan.run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out=o_extend)
+    plan.release()
     return True
 
 
@@ -256,6 +265,7 @@ def verify_attention(
     split_tokens=None,
     check=True,
     return_lse=False,
+    one_launch=True,
 ):
     """Verify attention that is always right: split-KV when it applies, else the baseline.
 
@@ -268,6 +278,7 @@ def verify_attention(
         return_lse: also return the natural-log LSE per (token, query head),
             ``[tokens, H_Q]`` float32 (the sinks included): the state
             :func:`splitkv.merge_states` merges. Needs the split path.
+        one_launch: see :class:`splitkv.VerifySplitKV` (the custom op passes ``False``).
 
     Returns:
         ``o_extend`` (or the new output), fully written for every draft row;
@@ -304,9 +315,11 @@ def verify_attention(
         sliding_window_size=sliding_window_size, sinks=sinks,
         window_kv_offsets=window_kv_offsets, xai_temperature_len=xai_temperature_len,
     )
-    plan = _plan_for(args, features, max(max_bs or 1, dims.batch_size), split_tokens, bool(return_lse))
+    plan = _plan_for(args, features, max(max_bs or 1, dims.batch_size), split_tokens, bool(return_lse),
+                     one_launch)
     if isinstance(plan, VerifyPlan):
         result = plan.run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out=o_extend)
+        plan.release()
         return result
     if plan.startswith("malformed input"):
         raise ValueError(plan)

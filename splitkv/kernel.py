@@ -125,6 +125,69 @@ def _finish(acc, m_i, l_i, sink2, HAS_SINKS: tl.constexpr):
     return o, lse2
 
 
+@triton.jit
+def _tile_slices(tile, qo_indptr, kv_indptr, num_tokens, kv_len, n_splits, min_split,
+                 HEAD_TILES: tl.constexpr, M_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SPLIT_TOKENS: tl.constexpr):
+    """Where tile ``tile`` works: its sequence, draft rows, prefix, and slicing.
+
+    Returns ``(b, head_tile, m_block, q_start, n_draft, kv_start, n_prefix,
+    split_len, n_used)``. Metadata is clamped to the tensors it indexes (see
+    "Bounds"); the verify kernel and the merge kernel compute the same values.
+    """
+    b = tile // (HEAD_TILES * M_BLOCKS)
+    head_tile = (tile // M_BLOCKS) % HEAD_TILES
+    m_block = tile % M_BLOCKS
+    q_start = tl.minimum(tl.maximum(tl.load(qo_indptr + b), 0), num_tokens)
+    q_end = tl.minimum(tl.maximum(tl.load(qo_indptr + b + 1), q_start), num_tokens)
+    kv_start = tl.minimum(tl.maximum(tl.load(kv_indptr + b), 0), kv_len)
+    kv_end = tl.minimum(tl.maximum(tl.load(kv_indptr + b + 1), kv_start), kv_len)
+    n_prefix = kv_end - kv_start
+    if SPLIT_TOKENS > 0:
+        split_len = SPLIT_TOKENS + n_prefix * 0
+    else:
+        split_len = tl.maximum(tl.cdiv(tl.cdiv(n_prefix, n_splits), BLOCK_N) * BLOCK_N, min_split)
+    n_used = tl.maximum(tl.cdiv(n_prefix, split_len), 1)
+    if SPLIT_TOKENS > 0:
+        # The host sizes the grid so this never binds; if it did, stay exact.
+        split_len = tl.where(n_used > n_splits, tl.cdiv(tl.cdiv(n_prefix, n_splits), BLOCK_N) * BLOCK_N,
+                             split_len)
+        n_used = tl.minimum(n_used, n_splits)
+    return b, head_tile, m_block, q_start, q_end - q_start, kv_start, n_prefix, split_len, n_used
+
+
+@triton.jit
+def _merge_rows(Part_O, Part_LSE, first, n_used, r, row_ok, offs_dv, dv_ok,
+                BLOCK_M: tl.constexpr, V_HEAD_DIM: tl.constexpr, MERGE_UNROLL: tl.constexpr):
+    """Merge slices ``0 .. n_used-1`` of tile rows ``r`` (columns ``offs_dv``) in order.
+
+    Scratch rows of slice ``s`` start at ``first + s * BLOCK_M``. Returns the
+    merged state ``(acc, m, den)``: ``acc = sum_s 2^(lse_s - m) o_s``,
+    ``den = sum_s 2^(lse_s - m)``, ``m`` the largest ``lse_s`` (base 2). The
+    order is fixed, so the result does not depend on which program merges.
+    """
+    m = tl.full(r.shape, float("-inf"), tl.float32)
+    den = tl.zeros(r.shape, tl.float32)
+    acc = tl.zeros([r.shape[0], offs_dv.shape[0]], tl.float32)
+    for s0 in range(0, n_used, MERGE_UNROLL):
+        for u in tl.static_range(MERGE_UNROLL):
+            s = s0 + u
+            rs = first + s * BLOCK_M + r
+            s_ok = row_ok & ((r * 0 + s) < n_used)
+            # .cg: read through L2, where the other programs' stores are.
+            lse_u = tl.load(Part_LSE + rs, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+            o_u = tl.load(Part_O + rs[:, None] * V_HEAD_DIM + offs_dv[None, :],
+                          mask=s_ok[:, None] & dv_ok[None, :], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, lse_u)
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_shift)
+            w = tl.exp2(lse_u - m_shift)
+            den = den * alpha + w
+            acc = acc * alpha[:, None] + tl.where(w[:, None] > 0, w[:, None] * o_u, 0.0)
+            m = m_new
+    return acc, m, den
+
+
 @triton.jit(do_not_specialize=["lse_offset", "num_tokens", "pool_tokens", "kv_len", "mask_len", "n_splits", "min_split"])
 def _verify_kernel(
     Q, K_Ext, V_Ext, K_Buf, V_Buf, O, LSE_Out,
@@ -163,35 +226,18 @@ def _verify_kernel(
     HAS_SINKS: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     MERGE_UNROLL: tl.constexpr,  # slices the merging program loads per step
+    FUSED_MERGE: tl.constexpr,  # the tile's last program merges; else _merge_kernel does
+    USE_PDL: tl.constexpr,  # let _merge_kernel launch while this grid drains
     DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     Part_LSE = Part_O + lse_offset
     HEAD_TILES: tl.constexpr = NUM_Q_HEADS // HEADS_PER_TILE
-    b = tile // (HEAD_TILES * M_BLOCKS)
-    head_tile = (tile // M_BLOCKS) % HEAD_TILES
-    m_block = tile % M_BLOCKS
+    b, head_tile, m_block, q_start, n_draft, kv_start, n_prefix, split_len, n_used = _tile_slices(
+        tile, qo_indptr, kv_indptr, num_tokens, kv_len, n_splits, min_split,
+        HEAD_TILES, M_BLOCKS, BLOCK_N, SPLIT_TOKENS)
     kv_head = head_tile * HEADS_PER_TILE // GROUP
-
-    # Sequence metadata, clamped to the tensors it indexes (see "Bounds").
-    q_start = tl.minimum(tl.maximum(tl.load(qo_indptr + b), 0), num_tokens)
-    q_end = tl.minimum(tl.maximum(tl.load(qo_indptr + b + 1), q_start), num_tokens)
-    n_draft = q_end - q_start
-    kv_start = tl.minimum(tl.maximum(tl.load(kv_indptr + b), 0), kv_len)
-    kv_end = tl.minimum(tl.maximum(tl.load(kv_indptr + b + 1), kv_start), kv_len)
-    n_prefix = kv_end - kv_start
-
-    if SPLIT_TOKENS > 0:
-        split_len = SPLIT_TOKENS
-    else:
-        split_len = tl.maximum(tl.cdiv(tl.cdiv(n_prefix, n_splits), BLOCK_N) * BLOCK_N, min_split)
-    n_used = tl.maximum(tl.cdiv(n_prefix, split_len), 1)
-    if SPLIT_TOKENS > 0:
-        # The host sizes the grid so this never binds; if it did, stay exact.
-        split_len = tl.where(n_used > n_splits, tl.cdiv(tl.cdiv(n_prefix, n_splits), BLOCK_N) * BLOCK_N,
-                             split_len)
-        n_used = tl.minimum(n_used, n_splits)
     if (split < n_used) & (m_block * BLOCK_M < n_draft * HEADS_PER_TILE):
         # Query rows: draft token l, query head h (see the module docstring).
         r = tl.arange(0, BLOCK_M)
@@ -283,35 +329,77 @@ def _verify_kernel(
             part = (tile.to(tl.int64) * n_splits + split) * BLOCK_M + r
             tl.store(Part_O + part[:, None] * V_HEAD_DIM + offs_dv[None, :], o_s, mask=dv_ok[None, :])
             tl.store(Part_LSE + part, lse_s)
-            tl.debug_barrier()  # every thread's stores issued before the release below
-            done = tl.atomic_add(Counters + tile, 1, sem="acq_rel", scope="gpu")
-            if done == n_used - 1:
-                tl.atomic_xchg(Counters + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-                first = tile.to(tl.int64) * n_splits * BLOCK_M
-                m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of lse_s (base 2)
-                den = tl.zeros([BLOCK_M], tl.float32)  # sum_s 2^(lse_s - m)
-                acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)  # sum_s 2^(lse_s - m) * o_s
-                for s0 in range(0, n_used, MERGE_UNROLL):
-                    for u in tl.static_range(MERGE_UNROLL):
-                        s = s0 + u
-                        rs = first + s * BLOCK_M + r
-                        s_ok = row_ok & ((r * 0 + s) < n_used)
-                        # .cg: read through L2, where the other programs' stores are.
-                        lse_u = tl.load(Part_LSE + rs, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-                        o_u = tl.load(Part_O + rs[:, None] * V_HEAD_DIM + offs_dv[None, :],
-                                      mask=s_ok[:, None] & dv_ok[None, :], other=0.0, cache_modifier=".cg")
-                        m_new = tl.maximum(m, lse_u)
-                        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-                        alpha = tl.exp2(m - m_shift)
-                        w = tl.exp2(lse_u - m_shift)
-                        den = den * alpha + w
-                        acc = acc * alpha[:, None] + tl.where(w[:, None] > 0, w[:, None] * o_u, 0.0)
-                        m = m_new
-                # Merged parts stand for one state with m = running max and l = den.
-                o, lse2 = _finish(acc, m, den, sink2, HAS_SINKS)
-                tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=out_mask)
-                if WRITE_LSE:
-                    tl.store(LSE_Out + out_rows * NUM_Q_HEADS + h, lse2 * 0.6931471805599453, mask=row_ok)
+            if FUSED_MERGE:
+                tl.debug_barrier()  # every thread's stores issued before the release below
+                done = tl.atomic_add(Counters + tile, 1, sem="acq_rel", scope="gpu")
+                if done == n_used - 1:
+                    tl.atomic_xchg(Counters + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+                    acc, m, den = _merge_rows(Part_O, Part_LSE, tile.to(tl.int64) * n_splits * BLOCK_M, n_used,
+                                              r, row_ok, offs_dv, dv_ok, BLOCK_M, V_HEAD_DIM, MERGE_UNROLL)
+                    # Merged slices stand for one state with m = running max and l = den.
+                    o, lse2 = _finish(acc, m, den, sink2, HAS_SINKS)
+                    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=out_mask)
+                    if WRITE_LSE:
+                        tl.store(LSE_Out + out_rows * NUM_Q_HEADS + h, lse2 * 0.6931471805599453, mask=row_ok)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit(do_not_specialize=["lse_offset", "num_tokens", "kv_len", "n_splits", "min_split"])
+def _merge_kernel(
+    O, LSE_Out, qo_indptr, kv_indptr, Sinks, Part_O, lse_offset,
+    num_tokens, kv_len, n_splits, min_split,
+    stride_ot, stride_oh,
+    NUM_Q_HEADS: tl.constexpr,
+    HEADS_PER_TILE: tl.constexpr,
+    M_BLOCKS: tl.constexpr,
+    V_HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,  # tile rows per program
+    MERGE_DV: tl.constexpr,  # value columns per program
+    SPLIT_TOKENS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    MERGE_UNROLL: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched early: wait here until the verify kernel has finished
+):
+    """The merge spread over a grid ``(tiles, row chunks, column chunks)``.
+
+    For launches with many slices per tile (small batches), one program per
+    tile would merge alone, reading every slice's partial; here each program
+    merges ``MERGE_ROWS x MERGE_DV`` of it. Same slicing (``_tile_slices``),
+    same order (``_merge_rows``), same results as the in-kernel merge.
+    """
+    tile = tl.program_id(0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    HEAD_TILES: tl.constexpr = NUM_Q_HEADS // HEADS_PER_TILE
+    b, head_tile, m_block, q_start, n_draft, kv_start, n_prefix, split_len, n_used = _tile_slices(
+        tile, qo_indptr, kv_indptr, num_tokens, kv_len, n_splits, min_split,
+        HEAD_TILES, M_BLOCKS, BLOCK_N, SPLIT_TOKENS)
+    r = tl.program_id(1) * MERGE_ROWS + tl.arange(0, MERGE_ROWS)
+    rows = m_block * BLOCK_M + r
+    l = rows // HEADS_PER_TILE
+    h = head_tile * HEADS_PER_TILE + rows % HEADS_PER_TILE
+    row_ok = (l < n_draft) & (r < BLOCK_M)
+    # Tiles with one slice were finished by the verify kernel itself.
+    if (n_used > 1) & (tl.program_id(1) * MERGE_ROWS < BLOCK_M):
+        offs_dv = tl.program_id(2) * MERGE_DV + tl.arange(0, MERGE_DV)
+        dv_ok = offs_dv < V_HEAD_DIM
+        Part_LSE = Part_O + lse_offset
+        acc, m, den = _merge_rows(Part_O, Part_LSE, tile.to(tl.int64) * n_splits * BLOCK_M, n_used,
+                                  r, row_ok, offs_dv, dv_ok, BLOCK_M, V_HEAD_DIM, MERGE_UNROLL)
+        sink2 = 0.0
+        if HAS_SINKS:
+            sink2 = tl.load(Sinks + h, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        o, lse2 = _finish(acc, m, den, sink2, HAS_SINKS)
+        out_rows = (q_start + l).to(tl.int64)
+        tl.store(O + out_rows[:, None] * stride_ot + h[:, None] * stride_oh + offs_dv[None, :],
+                 o.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+        if WRITE_LSE:
+            if tl.program_id(2) == 0:
+                tl.store(LSE_Out + out_rows * NUM_Q_HEADS + h, lse2 * 0.6931471805599453, mask=row_ok)
 
 
 class TileConfig:

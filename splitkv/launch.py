@@ -9,21 +9,22 @@ all of it except the launch is the same every time.
 
 A :class:`Launcher` does that work once, on its first call, through the
 ordinary JIT path (which compiles if needed and returns the compiled kernel),
-and remembers what the kernel was specialised on: the 16-byte alignment of
-every tensor argument. Later calls check only those alignments -- the one
-property of the arguments that can change between calls with equal shapes --
-and call the compiled kernel's launcher directly. Integer arguments that vary
-from call to call are declared ``do_not_specialize`` in the kernel, so they
-never change the compiled code.
+and remembers it under what the kernel was specialised on: every tensor's
+dtype and 16-byte alignment, every integer's divisibility by 16 (and whether
+it is 1, and fits 32 bits). Later calls recompute only that key -- a tuple,
+no binding, no hashing of options -- and call the compiled kernel's launcher
+directly. Integer arguments that vary from call to call (lengths) are
+declared ``do_not_specialize`` in the kernel, so they never change the
+compiled code.
 
 The fast path needs Triton >= 3.3 (the ``knobs`` module and its launch
-signature). Under the interpreter, with launch hooks installed (profilers),
-or with an older Triton, every call takes the ordinary JIT path.
+signature); launch hooks (profilers) are honoured. Under the interpreter or
+with an older Triton every call takes the ordinary JIT path.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Sequence
 
 import torch
 
@@ -38,17 +39,26 @@ __all__ = ["Launcher", "fast_path_available"]
 
 
 def fast_path_available() -> bool:
-    """True when compiled kernels are launched directly (GPU, Triton >= 3.3, no hooks)."""
-    return (
-        _knobs is not None
-        and not interpreting()
-        and _knobs.runtime.launch_enter_hook is None
-        and _knobs.runtime.launch_exit_hook is None
-    )
+    """True when compiled kernels are launched directly (GPU, Triton >= 3.3)."""
+    return _knobs is not None and not interpreting()
 
 
-def _alignment(args: Sequence) -> Tuple[bool, ...]:
-    return tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor))
+def _specialization(args: Sequence) -> tuple:
+    """What the JIT specialises a kernel on, per argument.
+
+    Tensors: dtype and 16-byte alignment. Integers: whether they are 1 or a
+    multiple of 16, and whether they fit 32 bits (the JIT types them i32 or
+    i64). Other arguments (floats) do not change the compiled code.
+    """
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() & 15 == 0))
+        elif isinstance(a, int):
+            key.append((a & 15 == 0, a == 1, -(2**31) <= a < 2**31))
+        else:
+            key.append(None)
+    return tuple(key)
 
 
 class Launcher:
@@ -66,14 +76,14 @@ class Launcher:
         self.constexprs = dict(constexprs)
         self.options = dict(options)
         self._tail = tuple(self.constexprs.values())
-        self._compiled: Dict[Tuple[bool, ...], object] = {}
+        self._compiled: Dict[tuple, object] = {}
 
     def compiled(self, args: Sequence, grid) -> object:
         """The compiled kernel for ``args`` (compiling it if needed), without launching.
 
         GPU only: the interpreter compiles nothing.
         """
-        key = _alignment(args)
+        key = _specialization(args)
         kernel = self._compiled.get(key)
         if kernel is None:
             kernel = self.fn.warmup(*args, grid=grid, **self.constexprs, **self.options)
@@ -86,10 +96,15 @@ class Launcher:
         if not fast_path_available():
             self.fn[grid](*args, **self.constexprs, **self.options)
             return
-        kernel = self._compiled.get(_alignment(args))
+        kernel = self._compiled.get(_specialization(args))
         if kernel is None:
             kernel = self.compiled(args, grid)
         if stream is None:
             stream = torch.cuda.current_stream().cuda_stream
+        enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+        # Launch hooks (profilers) get the metadata the JIT path would give them;
+        # Triton >= 3.5 keeps them in a chain that is usually empty.
+        hooked = enter is not None and getattr(enter, "calls", True)
+        meta = kernel.launch_metadata(grid, stream, *args, *self._tail) if hooked else None
         kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
-                   None, None, None, *args, *self._tail)
+                   meta, enter, leave, *args, *self._tail)

@@ -1,7 +1,7 @@
 """Who does what: the work of every program of a verify launch, without a GPU.
 
 The notebooks (and anyone tuning the kernels) need to answer questions such as
-"which (sequence, split) programs get keys?", "how many programs does the
+"which (sequence, slice) programs get keys?", "how many programs does the
 launch have, and how many waves of the SMs is that?" or "how many prefix bytes
 do the programs read, with and without GQA packing?". This module answers them
 from the same rules the kernels use, in plain Python, so the answers can be
@@ -9,11 +9,23 @@ drawn for real shapes (a 64k prefix on 132 SMs) on any machine.
 
 It mirrors, and must stay in step with:
 
-* :mod:`splitkv.partials` -- the stage-1 grid ``(n_splits + 1, batch x
-  head_tiles x m_blocks)``, BLOCK_N-aligned prefix slices
-  (``split_len = cdiv(cdiv(prefix, n_splits), BLOCK_N) * BLOCK_N``), the draft
-  block as part ``n_splits``, and the early exit of row tiles past a
-  sequence's draft tokens;
+* :mod:`splitkv.kernel` -- the one-launch verify kernel. Its grid is
+  ``(tiles, n_splits)`` with ``tiles = batch x head_tiles`` on axis 0 (a tile
+  is a sequence, a head tile and a block of query rows) and the prefix slices
+  on axis 1. Sequence ``b``'s prefix is cut into ``n_used`` slices of
+  ``split_len`` keys::
+
+      adaptive:  split_len = max(roundup(cdiv(n_prefix, n_splits), BLOCK_N), min_split)
+      fixed:     split_len = split_tokens
+      n_used   = max(1, cdiv(n_prefix, split_len))          (<= n_splits)
+
+  programs with ``split >= n_used`` exit at once, the program of slice
+  ``n_used - 1`` also attends the draft block. When ``n_used > 1`` every
+  program of the tile writes a partial to scratch; with at most
+  ``FUSED_MAX_MERGE`` partial floats per tile (:func:`fused_merge`) the last one to
+  finish merges them in the same launch (which one that is depends on timing,
+  not on the grid), otherwise a second, spread merge launch
+  (:func:`merge_programs`) does;
 * :mod:`splitkv.extend` -- the baseline grid ``(batch, H_Q, cdiv(L, BLOCK_M))``
   whose programs each walk a whole prefix.
 
@@ -30,13 +42,20 @@ from typing import List, Optional, Sequence, Tuple
 __all__ = [
     "Program",
     "cdiv",
+    "min_split_for",
     "split_len",
+    "n_used",
     "split_ranges",
     "split_keys",
     "head_tiles",
+    "verify_programs",
     "partials_programs",
+    "MergeProgram",
+    "fused_merge",
+    "merge_programs",
     "extend_programs",
     "prefix_bytes_read",
+    "scratch_bytes",
     "waves",
     "schedule",
 ]
@@ -57,13 +76,15 @@ class Program:
         seq: the sequence ``b`` it serves.
         head_tile: its head tile (a KV head with GQA packing; a query head
             without packing and in the extend kernel).
-        m_block: its tile of query rows.
-        split: its part: ``0 .. n_splits-1`` a prefix slice, ``n_splits`` the
-            draft block (always 0 for the extend kernel, which has no parts).
+        m_block: its block of query rows.
+        split: its prefix slice (always 0 for the extend kernel).
         prefix_keys: prefix keys it streams from the token pool.
-        draft_keys: draft keys it attends (the draft block; every row tile of
-            the extend kernel).
-        rows: live query rows; 0 means the program returns at once.
+        draft_keys: draft keys it attends (the draft block, in the verify
+            kernel only for the tile's last used slice).
+        rows: live query rows; 0 means the program returns at once (a row
+            block past the sequence's drafts, or a slice ``>= n_used``).
+        n_used: slices of its tile's prefix that have a program at work
+            (``> 1``: the tile's programs write partials, the last merges).
     """
 
     index: int
@@ -74,45 +95,128 @@ class Program:
     prefix_keys: int
     draft_keys: int
     rows: int
+    n_used: int = 1
 
     @property
     def keys(self) -> int:
         """All keys the program walks (prefix and draft)."""
         return self.prefix_keys + self.draft_keys
 
+    @property
+    def writes_partial(self) -> bool:
+        """True when the program publishes its slice to scratch for the tile's merge."""
+        return self.rows > 0 and self.n_used > 1
 
-def split_len(prefix_len: int, n_splits: int, block_n: int) -> int:
-    """Keys per prefix slice, rounded up to a whole number of ``block_n`` tiles.
 
-    The kernel's rule: ``cdiv(cdiv(prefix_len, n_splits), block_n) * block_n``.
-    Alignment means only a slice's last key tile can be partial; the price is
-    that short prefixes leave the last slices empty.
+def min_split_for(block_n: int, min_split_tokens: Optional[int] = None) -> int:
+    """The kernel's ``min_split``: ``min_split_tokens`` rounded up to whole ``block_n`` tiles.
+
+    Args:
+        block_n: the kernel's key tile.
+        min_split_tokens: the shortest slice worth a program (default: the
+            H200 sweep's, ``splitkv.tuning.TUNED["min_split_tokens"]``; the
+            runner uses :func:`splitkv.tuning.min_split_tokens`, which is
+            smaller under the interpreter).
     """
+    if min_split_tokens is None:
+        from .tuning import TUNED
+
+        min_split_tokens = TUNED["min_split_tokens"]
+    if block_n < 1 or min_split_tokens < 0:
+        raise ValueError("need block_n >= 1 and min_split_tokens >= 0")
+    return cdiv(min_split_tokens, block_n) * block_n
+
+
+def _slicing(prefix_len: int, n_splits: int, block_n: int, min_split: Optional[int],
+             split_tokens: Optional[int]) -> Tuple[int, int]:
+    """``(split_len, n_used)`` exactly as the kernel computes them."""
     if n_splits < 1 or block_n < 1 or prefix_len < 0:
         raise ValueError("need n_splits >= 1, block_n >= 1 and prefix_len >= 0")
-    return cdiv(cdiv(prefix_len, n_splits), block_n) * block_n
+    even = cdiv(cdiv(prefix_len, n_splits), block_n) * block_n
+    if split_tokens:
+        step = split_tokens
+    else:
+        step = max(even, min_split_for(block_n) if min_split is None else min_split)
+    used = max(1, cdiv(prefix_len, step)) if step else 1  # step 0: empty prefix, min_split 0
+    if split_tokens and used > n_splits:
+        # The host sizes the grid so that this never binds; the kernel stays exact if it does.
+        step, used = even, n_splits
+    return step, used
 
 
-def split_ranges(prefix_len: int, n_splits: int, block_n: int) -> List[Tuple[int, int]]:
-    """``[lo, hi)`` prefix positions of each slice (``lo == hi``: empty slice)."""
-    step = split_len(prefix_len, n_splits, block_n)
+def split_len(
+    prefix_len: int, n_splits: int, block_n: int, min_split: Optional[int] = None, *,
+    split_tokens: Optional[int] = None,
+) -> int:
+    """Keys per prefix slice (the last used slice may hold fewer).
+
+    Adaptive mode: ``max(roundup(cdiv(prefix_len, n_splits), block_n), min_split)``;
+    fixed-slice mode: ``split_tokens``. Alignment means only a slice's last
+    key tile can be partial; ``min_split`` keeps short prefixes from being cut
+    into slices too short to pay for their program.
+
+    Args:
+        prefix_len: the sequence's prefix keys.
+        n_splits: the grid's slices (axis 1).
+        block_n: the kernel's key tile.
+        min_split: shortest slice, a multiple of ``block_n`` (default
+            :func:`min_split_for`\\ ``(block_n)``, the GPU's); 0 for plain even slices.
+        split_tokens: the fixed slice length (batch-invariant mode) or ``None``.
+    """
+    return _slicing(prefix_len, n_splits, block_n, min_split, split_tokens)[0]
+
+
+def n_used(
+    prefix_len: int, n_splits: int, block_n: int, min_split: Optional[int] = None, *,
+    split_tokens: Optional[int] = None,
+) -> int:
+    """Slices of a prefix that get a working program: ``max(1, cdiv(prefix_len, split_len))``.
+
+    At most ``n_splits``; at least 1 (an empty prefix still has a program,
+    which does the draft block). Arguments as for :func:`split_len`.
+    """
+    return _slicing(prefix_len, n_splits, block_n, min_split, split_tokens)[1]
+
+
+def split_ranges(
+    prefix_len: int, n_splits: int, block_n: int, min_split: Optional[int] = None, *,
+    split_tokens: Optional[int] = None,
+) -> List[Tuple[int, int]]:
+    """``[lo, hi)`` prefix positions of each of the ``n_splits`` slices.
+
+    Slices ``s < n_used`` are the working ones (all non-empty unless the
+    prefix is empty); slices ``s >= n_used`` are programs that exit at once
+    and are given as the empty range ``(prefix_len, prefix_len)``. Arguments
+    as for :func:`split_len`.
+    """
+    step, used = _slicing(prefix_len, n_splits, block_n, min_split, split_tokens)
+    ranges = []
+    for s in range(n_splits):
+        if s < used:
+            ranges.append((min(s * step, prefix_len), min(s * step + step, prefix_len)))
+        else:
+            ranges.append((prefix_len, prefix_len))
+    return ranges
+
+
+def split_keys(
+    prefix_lens: Sequence[int], n_splits: int, block_n: int, min_split: Optional[int] = None, *,
+    split_tokens: Optional[int] = None,
+) -> List[List[int]]:
+    """Prefix keys of every (sequence, slice): ``[batch][n_splits]`` ints (0 for exited slices)."""
     return [
-        (min(s * step, prefix_len), min(s * step + step, prefix_len)) for s in range(n_splits)
+        [hi - lo for lo, hi in split_ranges(p, n_splits, block_n, min_split, split_tokens=split_tokens)]
+        for p in prefix_lens
     ]
-
-
-def split_keys(prefix_lens: Sequence[int], n_splits: int, block_n: int) -> List[List[int]]:
-    """Prefix keys of every (sequence, slice): ``[batch][n_splits]`` ints."""
-    return [[hi - lo for lo, hi in split_ranges(p, n_splits, block_n)] for p in prefix_lens]
 
 
 def head_tiles(
     num_q_heads: int, num_kv_heads: int, max_len_extend: int, block_m: int, pack_gqa: bool = True
 ) -> int:
-    """Stage-1 programs per sequence and part: head tiles times row tiles.
+    """Tiles per sequence (grid axis 0 is ``batch x head_tiles``): head tiles times row blocks.
 
     With GQA packing a head tile is a KV head whose ``GROUP x L`` query rows
-    are cut into ``cdiv(GROUP x L, block_m)`` row tiles; without packing it is
+    are cut into ``cdiv(GROUP x L, block_m)`` row blocks; without packing it is
     one query head of ``L`` rows. :class:`splitkv.VerifySplitKV` sizes its launches with it.
     """
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
@@ -121,7 +225,7 @@ def head_tiles(
     return (num_q_heads // per_tile) * cdiv(per_tile * max_len_extend, block_m)
 
 
-def partials_programs(
+def verify_programs(
     prefix_lens: Sequence[int],
     extend_lens: Sequence[int],
     num_q_heads: int,
@@ -132,22 +236,30 @@ def partials_programs(
     block_n: int,
     pack_gqa: bool = True,
     max_len_extend: Optional[int] = None,
+    min_split: Optional[int] = None,
+    split_tokens: Optional[int] = None,
+    attend_draft: bool = True,
 ) -> List[Program]:
-    """Every program of one stage-1 launch, in launch order.
+    """Every program of one verify launch, in launch order.
 
-    The grid is ``(n_splits + 1, batch x head_tiles x m_blocks)``: axis 0 is
-    the part (prefix slices, then the draft block), axis 1 walks sequences,
-    head tiles and row tiles. Row tile ``m`` of a sequence with ``L`` draft
-    tokens is live iff ``m x block_m < heads_per_tile x L``.
+    The grid is ``(batch x head_tiles, n_splits)``: axis 0 walks sequences,
+    head tiles and row blocks (row block fastest), axis 1 the prefix slices.
+    Program ``(tile, split)`` is live iff ``split < n_used`` of its sequence
+    and its row block ``m`` has rows (``m x block_m < heads_per_tile x L``);
+    the live program of slice ``n_used - 1`` also does the draft block.
 
     Args:
         prefix_lens, extend_lens: per-sequence prefix and draft lengths.
         num_q_heads, num_kv_heads: head counts.
-        n_splits: prefix slices per sequence.
+        n_splits: the grid's slices (the plan's ``n_splits``).
         block_m, block_n: the kernel's row and key tile sizes
-            (:func:`splitkv.partials.tile_config`).
+            (:func:`splitkv.kernel.tile_config`).
         pack_gqa: GQA packing (one program per KV head) or one per query head.
-        max_len_extend: sizes the grid (default ``max(extend_lens)``).
+        max_len_extend: sizes the row blocks (default ``max(extend_lens)``).
+        min_split: as for :func:`split_len` (the runner passes
+            ``min_split_for(block_n, splitkv.tuning.min_split_tokens())``).
+        split_tokens: the fixed slice length (batch-invariant mode) or ``None``.
+        attend_draft: ``False`` for a prefix-only launch.
     """
     if len(prefix_lens) != len(extend_lens):
         raise ValueError("prefix_lens and extend_lens differ in length")
@@ -155,22 +267,121 @@ def partials_programs(
     per_tile = num_q_heads // num_kv_heads if pack_gqa else 1
     tiles = num_q_heads // per_tile
     m_blocks = cdiv(per_tile * max_len, block_m)
-    keys = split_keys(prefix_lens, n_splits, block_n)
+    slicing = [_slicing(p, n_splits, block_n, min_split, split_tokens) for p in prefix_lens]
+    ranges = [split_ranges(p, n_splits, block_n, min_split, split_tokens=split_tokens) for p in prefix_lens]
     programs = []
     index = 0
-    for b in range(len(prefix_lens)):
-        for tile in range(tiles):
-            for m in range(m_blocks):
-                rows = max(0, min(block_m, per_tile * extend_lens[b] - m * block_m))
-                for part in range(n_splits + 1):
+    for split in range(n_splits):
+        for b in range(len(prefix_lens)):
+            used = slicing[b][1]
+            for tile in range(tiles):
+                for m in range(m_blocks):
+                    rows = max(0, min(block_m, per_tile * extend_lens[b] - m * block_m))
+                    if split >= used:
+                        rows = 0
                     if rows == 0:
                         pre = draft = 0
-                    elif part < n_splits:
-                        pre, draft = keys[b][part], 0
                     else:
-                        pre, draft = 0, extend_lens[b]
-                    programs.append(Program(index, b, tile, m, part, pre, draft, rows))
+                        lo, hi = ranges[b][split]
+                        pre = hi - lo
+                        draft = extend_lens[b] if attend_draft and split == used - 1 else 0
+                    programs.append(Program(index, b, tile, m, split, pre, draft, rows, used))
                     index += 1
+    return programs
+
+
+#: The former name (from the two-kernel design, whose first kernel wrote "partials").
+partials_programs = verify_programs
+
+
+def fused_merge(n_splits: int, block_m: int, v_head_dim: int, one_launch: bool = True) -> bool:
+    """True when a launch of ``n_splits`` grid slices merges in the verify kernel itself.
+
+    The runner's rule: one launch while a tile's last program has at most
+    ``splitkv.runner.FUSED_MAX_MERGE`` partial floats (``n_splits x BLOCK_M x
+    Dv``) to read (unless built with ``one_launch=False``), else a second
+    launch (:func:`merge_programs`) whose programs each merge a block of rows
+    and columns.
+    """
+    from .runner import FUSED_MAX_MERGE
+
+    return one_launch and n_splits * block_m * v_head_dim <= FUSED_MAX_MERGE
+
+
+@dataclass(frozen=True)
+class MergeProgram:
+    """One program of the spread merge launch (grid ``(tiles, row chunks, column chunks)``).
+
+    Attributes:
+        index: position in launch order (axis 0, the tile, fastest).
+        seq, head_tile, m_block: the tile whose slices it merges.
+        row_chunk, col_chunk: its block of the tile's rows and of the value columns.
+        rows: live rows it merges (0: it returns at once, e.g. a one-slice tile).
+        columns: value columns it merges.
+        slices: partials it reads per row (the tile's ``n_used``; 0 if it returns at once).
+    """
+
+    index: int
+    seq: int
+    head_tile: int
+    m_block: int
+    row_chunk: int
+    col_chunk: int
+    rows: int
+    columns: int
+    slices: int
+
+
+def merge_programs(
+    prefix_lens: Sequence[int],
+    extend_lens: Sequence[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    n_splits: int,
+    *,
+    block_m: int,
+    block_n: int,
+    v_head_dim: int,
+    pack_gqa: bool = True,
+    max_len_extend: Optional[int] = None,
+    min_split: Optional[int] = None,
+    split_tokens: Optional[int] = None,
+    one_launch: bool = True,
+    merge_rows: Optional[int] = None,
+    merge_dv: Optional[int] = None,
+) -> List[MergeProgram]:
+    """Every program of the spread merge launch; ``[]`` when the verify kernel merges itself.
+
+    Arguments as for :func:`verify_programs`, plus ``v_head_dim`` and the
+    merge's block shape (default the runner's ``MERGE_ROWS x MERGE_DV``,
+    ``MERGE_DV`` capped at the padded value width).
+    """
+    if fused_merge(n_splits, block_m, v_head_dim, one_launch):
+        return []
+    from .runner import MERGE_DV, MERGE_ROWS
+
+    merge_rows = merge_rows or MERGE_ROWS
+    merge_dv = merge_dv or min(MERGE_DV, 1 << (max(1, v_head_dim) - 1).bit_length())
+    max_len = max(extend_lens) if max_len_extend is None else max_len_extend
+    per_tile = num_q_heads // num_kv_heads if pack_gqa else 1
+    tiles = num_q_heads // per_tile
+    m_blocks = cdiv(per_tile * max_len, block_m)
+    row_chunks, col_chunks = cdiv(block_m, merge_rows), cdiv(v_head_dim, merge_dv)
+    used = [_slicing(p, n_splits, block_n, min_split, split_tokens)[1] for p in prefix_lens]
+    programs = []
+    index = 0
+    for col in range(col_chunks):
+        for chunk in range(row_chunks):
+            for b in range(len(prefix_lens)):
+                for tile in range(tiles):
+                    for m in range(m_blocks):
+                        live = per_tile * extend_lens[b] - m * block_m  # live rows of the tile
+                        lo = chunk * merge_rows
+                        rows = max(0, min(merge_rows, block_m - lo, live - lo)) if used[b] > 1 else 0
+                        columns = min(merge_dv, v_head_dim - col * merge_dv)
+                        programs.append(MergeProgram(index, b, tile, m, chunk, col, rows, columns,
+                                                     used[b] if rows else 0))
+                        index += 1
     return programs
 
 
@@ -212,10 +423,31 @@ def prefix_bytes_read(programs: Sequence[Program], head_dim: int, v_head_dim: in
     """Prefix K+V bytes the programs load from the pool (no cache reuse assumed).
 
     Every program loads one KV head's K and V row for each prefix key it
-    streams. With GQA packing that is each byte once per row tile; without
+    streams. With GQA packing that is each byte once per row block; without
     it, once per query head (``GROUP`` times).
     """
     return sum(p.prefix_keys for p in programs) * (head_dim + v_head_dim) * itemsize
+
+
+def scratch_bytes(programs: Sequence[Program], v_head_dim: int, block_m: int,
+                  merge: Optional[Sequence[MergeProgram]] = None) -> Tuple[int, int]:
+    """Float32 scratch traffic of a verify launch: ``(written, read)`` bytes.
+
+    Every program of a tile with ``n_used > 1`` writes its whole
+    ``block_m``-row partial (output and LSE, ``v_head_dim + 1`` floats a row).
+    Merging in the verify kernel, the tile's last program reads back the live
+    rows of all ``n_used`` partials; with a spread merge (``merge``, from
+    :func:`merge_programs`) each merge program reads its rows' LSEs and its
+    columns of every partial. Tiles with one slice touch no scratch.
+    """
+    row = (v_head_dim + 1) * 4
+    writers = [p for p in programs if p.writes_partial]
+    written = len(writers) * block_m * row
+    if merge:
+        read = sum(m.rows * m.slices * (m.columns + 1) * 4 for m in merge)
+    else:
+        read = sum(p.n_used * p.rows * row for p in writers if p.split == 0)
+    return written, read
 
 
 def waves(num_programs: int, num_sms: int, programs_per_sm: int = 1) -> int:

@@ -38,7 +38,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .checks import check_verify_inputs, check_verify_values, interpreting
-from .kernel import LOG2E, TileConfig, _verify_kernel, block_m_for, rows_per_tile, tile_config
+from .kernel import LOG2E, TileConfig, _merge_kernel, _verify_kernel, block_m_for, rows_per_tile, tile_config
 from .launch import Launcher
 from .occupancy import head_tiles as count_head_tiles
 from .splits import MAX_GRID_SPLITS, MAX_SPLITS, choose_n_splits, device_sm_count, fixed_n_splits
@@ -50,6 +50,15 @@ __all__ = ["VerifySplitKV", "VerifyPlan", "workspace_bytes", "counters"]
 _COUNTERS: Dict[Tuple[int, int], torch.Tensor] = {}
 #: Smallest counter array allocated (tiles); arrays grow by doubling.
 _MIN_COUNTERS = 4096
+#: Most partial-output floats (``n_splits x BLOCK_M x Dv``) one tile's last
+#: program merges by itself (one launch). Past it that program's serial read
+#: of every slice (256 KB here) costs more than spreading the merge over a
+#: second, PDL-overlapped launch. Measured on the H200 at batch 1, 4k-64k:
+#: Llama-3-8B (31 slices x 16 rows x 128 = 63k floats) 21.2 us in one launch
+#: vs 24.3 spread; Qwen3-32B (127k) 26.0 vs 25.7; Qwen3-Next (254k) 43.3 vs 29.7.
+FUSED_MAX_MERGE = 65536
+#: The spread merge's program shape: tile rows x value columns.
+MERGE_ROWS, MERGE_DV = 8, 32
 
 
 def _stream_key(device: torch.device) -> Tuple[int, int]:
@@ -145,6 +154,11 @@ class VerifySplitKV:
             sequence's output is then bitwise the same in any batch).
         workspace: caller-owned zeroed bytes of at least :func:`workspace_bytes`
             (default: per-call allocation, see the module docstring).
+        one_launch: merge in the verify kernel when a tile's partials are at
+            most ``FUSED_MAX_MERGE`` floats (default). ``False`` always merges in
+            a second launch, which needs no counters: the custom op uses it,
+            since ``torch.compile``'s CUDA-graph trees allow no memory that
+            outlives a graph except its outputs.
 
     Calling the runner plans and runs in one go; see :meth:`plan` to reuse a plan.
     """
@@ -165,6 +179,7 @@ class VerifySplitKV:
         n_splits: Optional[int] = None,
         split_tokens: Optional[int] = None,
         workspace: Optional[torch.Tensor] = None,
+        one_launch: bool = True,
     ):
         if num_kv_heads < 1 or num_q_heads % num_kv_heads:
             raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
@@ -192,16 +207,18 @@ class VerifySplitKV:
         else:
             self.split_tokens = None
         self.workspace = workspace
+        self.one_launch = one_launch
         if workspace is not None:
             need = workspace_bytes(num_q_heads, num_kv_heads, v_head_dim, max_len_extend, max_bs,
                                    self._max_splits(), pack_gqa=pack_gqa, block_m=self.block_m)
-            if workspace.device != self.device or workspace.numel() * workspace.element_size() < need:
+            if workspace.device.type != self.device.type or workspace.numel() * workspace.element_size() < need:
                 raise ValueError(f"workspace must hold {need} bytes on {self.device}")
             tiles = max_bs * self.head_tiles
             raw = workspace.view(torch.uint8).reshape(-1)
             counter_bytes = -(-tiles * 4 // 16) * 16
             self._ws_counters = raw[: tiles * 4].view(torch.int32)
-            self._ws_parts = raw[counter_bytes:need].view(torch.float32)
+            end = counter_bytes + (raw.numel() - counter_bytes) // 4 * 4
+            self._ws_parts = raw[counter_bytes:end].view(torch.float32)  # all the rest: plans check their fit
         self._launchers: Dict[tuple, Launcher] = {}
 
     def _block_multiple(self, tokens: int, name: str) -> int:
@@ -216,10 +233,8 @@ class VerifySplitKV:
         if self.fixed_n_splits is not None:
             return self.fixed_n_splits
         if self.split_tokens is not None:
-            raise ValueError(
-                "a workspace in fixed-slice mode needs a grid bound: give n_splits, or size it with "
-                "workspace_bytes(..., max_splits=cdiv(longest kv_indices, split_tokens))"
-            )
+            return 1  # fixed slices: size the workspace with max_splits = cdiv(longest kv_indices, split_tokens);
+            # each plan checks that its slices fit
         return MAX_SPLITS
 
     def config(self, kv_dtype: torch.dtype) -> TileConfig:
@@ -305,10 +320,10 @@ class VerifySplitKV:
                           custom_mask, mask_indptr, is_causal, sm_scale=sm_scale, k_scale=k_scale,
                           v_scale=v_scale, sinks=sinks, return_lse=return_lse, attend_draft=attend_draft)
 
-    def _launcher(self, key: tuple, constexprs: dict, options: dict) -> Launcher:
+    def _launcher(self, key: tuple, constexprs: dict, options: dict, fn) -> Launcher:
         launcher = self._launchers.get(key)
         if launcher is None:
-            launcher = self._launchers[key] = Launcher(_verify_kernel, constexprs, options)
+            launcher = self._launchers[key] = Launcher(fn, constexprs, options)
         return launcher
 
     def __call__(
@@ -367,7 +382,7 @@ class VerifyPlan:
             qo_indptr, kv_indptr, kv_indices,
             custom_mask if use_mask else kv_indptr,  # placeholder pointer, never read
             mask_indptr if use_mask else kv_indptr,
-            sinks if sinks is not None else q_extend,  # placeholder pointer, never read
+            sinks if sinks is not None else qo_indptr,  # placeholder pointer, never read
         )
         self._scales = (float(sm_scale) * float(k_scale) * LOG2E, float(sm_scale) * LOG2E, float(v_scale))
         self._pool_tokens = min(k_buffer.shape[0], v_buffer.shape[0])
@@ -401,8 +416,11 @@ class VerifyPlan:
             MERGE_UNROLL=4,
             DOT_PRECISION="ieee" if q_extend.dtype == torch.float32 else None,
         )
-        options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        self._launch = r._launcher(tuple(constexprs.values()) + (cfg,), constexprs, options)
+        self._constexprs = constexprs
+        self._options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self._pdl = (self.device.type == "cuda" and not interpreting()
+                     and torch.cuda.get_device_capability(self.device)[0] >= 9)
+        self._pick_launchers()
 
     def _size(self, kv_len: int) -> None:
         """Split count, grid and scratch for ``kv_len`` entries of ``kv_indices``."""
@@ -417,6 +435,31 @@ class VerifyPlan:
         self._part_rows = rows
         if r.workspace is not None and self.n_splits > 1 and rows * (r.v_head_dim + 1) > r._ws_parts.numel():
             raise ValueError("the workspace is too small for this call's slices")
+
+    def _fusable(self) -> bool:
+        """Whether the last program can merge alone: at most ``FUSED_MAX_MERGE`` floats to read."""
+        return self.n_splits * self.config.block_m * self.runner.v_head_dim <= FUSED_MAX_MERGE
+
+    def _pick_launchers(self) -> None:
+        """One launch (merge in the kernel) for few slices, else verify + spread merge."""
+        r, cfg = self.runner, self.config
+        self.fused = r.one_launch and self._fusable()
+        pdl = self._pdl and not self.fused
+        consts = dict(self._constexprs, FUSED_MERGE=self.fused and self.n_splits > 1, USE_PDL=pdl,
+                      DOT_PRECISION=self._constexprs["DOT_PRECISION"])
+        options = dict(self._options, **({"launch_pdl": True} if pdl else {}))
+        self._launch = r._launcher(("verify",) + tuple(consts.values()) + (cfg,), consts, options, _verify_kernel)
+        self._merge = None
+        if not self.fused:
+            c = self._constexprs
+            mconsts = dict(NUM_Q_HEADS=c["NUM_Q_HEADS"], HEADS_PER_TILE=c["HEADS_PER_TILE"], M_BLOCKS=c["M_BLOCKS"],
+                           V_HEAD_DIM=c["V_HEAD_DIM"], BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
+                           MERGE_ROWS=MERGE_ROWS, MERGE_DV=min(MERGE_DV, c["BLOCK_DV"]),
+                           SPLIT_TOKENS=c["SPLIT_TOKENS"], HAS_SINKS=c["HAS_SINKS"], WRITE_LSE=c["WRITE_LSE"],
+                           MERGE_UNROLL=c["MERGE_UNROLL"], USE_PDL=pdl)
+            moptions = dict(num_warps=2, **({"launch_pdl": True} if pdl else {}))
+            self._merge = r._launcher(("merge",) + tuple(mconsts.values()), mconsts, moptions, _merge_kernel)
+            self._merge_grid = (self._tiles, -(-cfg.block_m // MERGE_ROWS), -(-r.v_head_dim // mconsts["MERGE_DV"]))
 
     def _set_scalars(self, kv_len: int, custom_mask) -> None:
         self._scalars = (
@@ -434,15 +477,22 @@ class VerifyPlan:
         """
         kv_len = kv_indices.shape[0]
         if kv_len != self.kv_len:
+            fused = self.fused
             self._size(kv_len)
+            if (self.runner.one_launch and self._fusable()) != fused:
+                self._pick_launchers()
         use_mask = custom_mask is not None
         self._meta = (
             qo_indptr, kv_indptr, kv_indices,
             custom_mask if use_mask else kv_indptr,
             mask_indptr if use_mask else kv_indptr,
-            sinks if sinks is not None else self._meta[5],
+            sinks if sinks is not None else qo_indptr,
         )
         self._set_scalars(kv_len, custom_mask)
+
+    def release(self) -> None:
+        """Drop the references to the bound metadata (a cached plan between rebinds)."""
+        self._meta = None
 
     def run(self, q_extend, k_extend, v_extend, k_buffer, v_buffer, out=None, lse=None):
         """Launch for one layer's tensors (same shapes, dtypes and strides as planned).
@@ -463,20 +513,28 @@ class VerifyPlan:
             lse = torch.empty(self.out_shape[:2], dtype=torch.float32, device=self.device)
         r = self.runner
         if self.n_splits == 1:
-            parts = cnt = out  # placeholder pointers, never read
+            # One slice: no partials, no counters; typed placeholders, never read.
+            parts = cnt = torch.empty(1, dtype=torch.float32, device=self.device)
             lse_offset = 0
         elif r.workspace is not None:
             parts, cnt = r._ws_parts, r._ws_counters
             lse_offset = self._part_rows * r.v_head_dim
         else:
             parts = torch.empty(self._part_rows * (r.v_head_dim + 1), dtype=torch.float32, device=self.device)
-            cnt = counters(self.device, self._tiles)
+            cnt = counters(self.device, self._tiles) if self.fused else parts  # only the one-launch merge counts
             lse_offset = self._part_rows * r.v_head_dim
+        lse_arg = lse if lse is not None else out
         self._launch(self.grid, (
-            q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse if lse is not None else out,
+            q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg,
             *self._meta, parts, lse_offset, cnt,
             *self._scalars, *self._strides, out.stride(0), out.stride(1),
         ))
+        if self._merge is not None:
+            sc = self._scalars  # (..., num_tokens, pool_tokens, kv_len, mask_len, n_splits, min_split)
+            self._merge(self._merge_grid, (
+                out, lse_arg, self._meta[0], self._meta[1], self._meta[5], parts, lse_offset,
+                sc[3], sc[5], sc[7], sc[8], out.stride(0), out.stride(1),
+            ))
         return (out, lse) if self.return_lse else out
 
 

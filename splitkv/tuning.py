@@ -54,7 +54,15 @@ def _nearest(head_dim: int, block_m: int, kv_bytes: int) -> Dict:
 
 
 def tuned_tile(head_dim: int, block_m: int, kv_bytes: int) -> Tuple[int, int, int]:
-    """``(block_n, num_warps, num_stages)`` for the widest head dim, BLOCK_M and pool element size."""
+    """``(block_n, num_warps, num_stages)`` for the widest head dim, BLOCK_M and pool element size.
+
+    float32 pools (4 bytes, tests and references rather than serving) are not
+    swept: they take the 16-bit entry with half the keys per step and at most
+    two stages, which keeps the pipelined K/V tiles inside shared memory.
+    """
+    if kv_bytes > 2:
+        block_n, warps, stages = tuned_tile(head_dim, block_m, 2)
+        return max(16, block_n // 2), warps, min(stages, 2)
     row = _nearest(head_dim, block_m, kv_bytes)
     return row["block_n"], row["num_warps"], row["num_stages"]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import CUDA, TOLERANCE, assert_matches_reference, gpu
-from splitkv import VerifySplitKV, extend_attention_fwd, verify_splitkv_fwd
+from splitkv import VerifySplitKV, extend_attention_fwd, verify_splitkv_fwd, workspace_bytes
 from splitkv.testing import MODEL_SHAPES, make_problem, reference_for, relative_error
 
 pytestmark = [gpu, pytest.mark.gpu]
@@ -62,10 +62,14 @@ def test_fp8_pool_with_scales():
 
 
 def _poisoned_runner(p, **kwargs):
+    """A runner on a caller-owned workspace whose partials are NaN (0xFF bytes), counters 0."""
+    nbytes = workspace_bytes(p.num_q_heads, p.num_kv_heads, p.v_head_dim, p.max_len_extend, 16,
+                             pack_gqa=kwargs.get("pack_gqa", True))
+    ws = torch.full((nbytes,), 0xFF, dtype=torch.uint8, device="cuda")
     runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim,
-                           p.max_len_extend, 16, "cuda", **kwargs)
-    for buf in runner.scratch():
-        buf.fill_(float("nan"))
+                           p.max_len_extend, 16, "cuda", workspace=ws, **kwargs)
+    runner._ws_counters.zero_()
+    assert torch.isnan(runner._ws_parts).all()
     return runner
 
 

@@ -1,8 +1,13 @@
 """splitkv.occupancy: the plain-Python mirror of the kernels' work split.
 
-Pure-Python checks of the rules, plus one interpreter (or GPU) launch of the
-partials kernel confirming that the slices the mirror calls empty are exactly
-those the kernel writes with ``lse = -inf``.
+Two kinds of checks:
+
+* the rules on hand-worked examples (golden values computed from the kernel's
+  documented formulas, not from the functions under test);
+* the mirror against the REAL kernel: a launch with a caller-owned workspace
+  whose partials are poisoned with NaN shows which (tile, slice) programs
+  published a partial, and the float64 attention over the keys the mirror
+  assigns to each slice must equal what that program wrote.
 """
 
 import math
@@ -10,85 +15,183 @@ import math
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import (
+    DEVICE,
+    MIN_SPLIT,
+    assert_matches_reference,
+    partials_views,
+    poisoned_workspace_runner,
+    scratch_views,
+)
 from splitkv import VerifySplitKV
-from splitkv.testing import make_problem
 from splitkv.occupancy import (
     cdiv,
     extend_programs,
+    fused_merge,
+    merge_programs,
     head_tiles,
+    min_split_for,
+    n_used,
     partials_programs,
     prefix_bytes_read,
     schedule,
+    scratch_bytes,
     split_keys,
     split_len,
     split_ranges,
+    verify_programs,
     waves,
 )
-from splitkv.partials import split_kv_partials
+from splitkv.testing import make_problem
 
+LOG2E = 1.0 / math.log(2.0)
+
+
+# --- the slicing rule ----------------------------------------------------------
 
 @pytest.mark.parametrize("prefix", [0, 1, 15, 16, 17, 100, 255, 4096, 5000])
 @pytest.mark.parametrize("n_splits", [1, 2, 3, 8])
-@pytest.mark.parametrize("block_n", [16, 64])
-def test_split_ranges_partition_the_prefix(prefix, n_splits, block_n):
-    ranges = split_ranges(prefix, n_splits, block_n)
-    assert len(ranges) == n_splits
-    assert split_len(prefix, n_splits, block_n) % block_n == 0
+@pytest.mark.parametrize("block_n,min_split", [(16, 0), (16, 32), (64, 128)])
+def test_split_ranges_partition_the_prefix(prefix, n_splits, block_n, min_split):
+    ranges = split_ranges(prefix, n_splits, block_n, min_split)
+    used = n_used(prefix, n_splits, block_n, min_split)
+    step = split_len(prefix, n_splits, block_n, min_split)
+    assert len(ranges) == n_splits and 1 <= used <= n_splits
+    assert step % block_n == 0 and step >= min_split
     pos = 0
-    for lo, hi in ranges:
-        assert lo == pos and lo <= hi  # contiguous, in order
-        if hi > lo:
-            assert lo % block_n == 0  # slices start on a key tile
+    for s, (lo, hi) in enumerate(ranges[:used]):
+        assert lo == pos == s * step and lo <= hi  # contiguous, in order, on key tiles
+        assert hi - lo == step or s == used - 1  # only the last used slice is short
+        assert hi > lo or prefix == 0
         pos = hi
     assert pos == prefix
-    # Empty slices can only trail the non-empty ones.
-    keys = [hi - lo for lo, hi in ranges]
-    assert keys == sorted(keys, key=lambda k: k == 0)
+    assert all(r == (prefix, prefix) for r in ranges[used:])  # programs that exit
 
 
-def test_split_keys_example():
-    # 300 keys in 8 slices of 64-key tiles: 38 -> 64 keys a slice, 3 slices empty.
-    assert split_keys([300], 8, 64) == [[64, 64, 64, 64, 44, 0, 0, 0]]
-    assert split_keys([0], 3, 16) == [[0, 0, 0]]
+def test_split_rule_worked_examples():
+    # 300 keys, 8 slices of 64-key tiles, no minimum: cdiv(300, 8) = 38 -> 64 keys a
+    # slice, cdiv(300, 64) = 5 used, 3 programs exit.
+    assert split_keys([300], 8, 64, 0) == [[64, 64, 64, 64, 44, 0, 0, 0]]
+    # The same with min_split 128: max(64, 128) = 128 -> cdiv(300, 128) = 3 used.
+    assert split_keys([300], 8, 64, 128) == [[128, 128, 44, 0, 0, 0, 0, 0]]
+    # A short prefix in a ragged batch is not over-split: 40 keys, 8 slices,
+    # min_split 32 -> max(roundup(5, 16), 32) = 32 -> 2 used.
+    assert split_keys([40], 8, 16, 32) == [[32, 8, 0, 0, 0, 0, 0, 0]]
+    # Empty prefix: one used slice (it does the draft block), no keys.
+    assert n_used(0, 3, 16, 32) == 1 and split_keys([0], 3, 16, 32) == [[0, 0, 0]]
+    # Fixed slices: 128 keys whatever n_splits (batch-invariant).
+    assert split_keys([300], 8, 16, split_tokens=128) == [[128, 128, 44, 0, 0, 0, 0, 0]]
+    assert split_keys([300], 3, 64, 0, split_tokens=128) == [[128, 128, 44]]
+    # Fixed slices in a grid too small for them (the host never plans this): 520 keys
+    # need 5 slices of 128 but the grid has 4, so the kernel falls back to
+    # roundup(cdiv(520, 4), 128) = 256 and uses all 4 (the last has no prefix key).
+    assert split_keys([520], 4, 128, split_tokens=128) == [[256, 256, 8, 0]]
+    assert n_used(520, 4, 128, split_tokens=128) == 4
 
+
+def test_min_split_for():
+    assert min_split_for(16, 32) == 32
+    assert min_split_for(64, 100) == 128
+    assert min_split_for(128, 0) == 0
+    from splitkv.tuning import TUNED
+
+    assert min_split_for(16) == cdiv(TUNED["min_split_tokens"], 16) * 16  # the GPU's, by default
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        # (H_Q, H_KV, L, BLOCK_M, pack) -> KV heads x cdiv(GROUP x L, BLOCK_M), or H_Q x cdiv(L, BLOCK_M)
+        ((4, 2, 4, 16, True), 2 * 1),  # GROUP 2 x 4 = 8 rows, one block
+        ((16, 2, 4, 16, True), 2 * 2),  # 8 x 4 = 32 rows in 16-row blocks
+        ((64, 8, 8, 64, True), 8 * 1),  # 8 x 8 = 64 rows
+        ((16, 1, 7, 64, True), 1 * 2),  # 16 x 7 = 112 rows
+        ((64, 8, 8, 16, False), 64 * 1),  # one query head a tile, 8 rows
+        ((4, 4, 20, 16, False), 4 * 2),
+    ],
+)
+def test_head_tiles_worked_examples(args, expected):
+    assert head_tiles(*args) == expected
+
+
+# --- programs of a launch --------------------------------------------------------
 
 @pytest.mark.parametrize("pack_gqa", [True, False])
-@pytest.mark.parametrize("hq,hkv,ext", [(4, 2, 4), (8, 1, 4), (16, 2, 4), (64, 8, 8), (4, 4, 1)])
-def test_head_tiles_matches_runner(hq, hkv, ext, pack_gqa):
-    runner = VerifySplitKV(hq, hkv, 64, 64, ext, 2, DEVICE, pack_gqa=pack_gqa)
-    assert head_tiles(hq, hkv, ext, runner.config.block_m, pack_gqa) == runner.head_tiles
-
-
-@pytest.mark.parametrize("pack_gqa", [True, False])
-def test_partials_programs_cover_every_key_once_per_tile(pack_gqa):
-    prefix, ext, hq, hkv, n_splits = [300, 0, 77], [4, 2, 3], 8, 2, 5
-    progs = partials_programs(prefix, ext, hq, hkv, n_splits, block_m=16, block_n=16, pack_gqa=pack_gqa)
+@pytest.mark.parametrize("min_split", [0, 32])
+def test_verify_programs_cover_every_key_once_per_tile(pack_gqa, min_split):
+    prefix, ext, hq, hkv, n_splits = [300, 0, 77, 20], [4, 2, 3, 1], 8, 2, 5
+    progs = verify_programs(prefix, ext, hq, hkv, n_splits, block_m=16, block_n=16, pack_gqa=pack_gqa,
+                            min_split=min_split)
     tiles = head_tiles(hq, hkv, max(ext), 16, pack_gqa)
-    assert len(progs) == len(prefix) * tiles * (n_splits + 1)
+    assert len(progs) == len(prefix) * tiles * n_splits
     assert [p.index for p in progs] == list(range(len(progs)))
+    # program_id(0) (the tile) varies fastest: the first batch x tiles programs are slice 0.
+    assert {p.split for p in progs[: len(prefix) * tiles]} == {0}
     for b, p_len in enumerate(prefix):
+        used = n_used(p_len, n_splits, 16, min_split)
         live = {(p.head_tile, p.m_block) for p in progs if p.seq == b and p.rows > 0}
         assert live
         for tile, m in live:
             mine = [p for p in progs if (p.seq, p.head_tile, p.m_block) == (b, tile, m)]
             assert sum(p.prefix_keys for p in mine) == p_len
-            assert [p.draft_keys for p in mine if p.split == n_splits] == [ext[b]]
+            assert [p.split for p in mine if p.draft_keys] == [used - 1]  # the draft block, once
+            assert [p.draft_keys for p in mine if p.draft_keys] == [ext[b]]
+            assert all(p.rows == 0 and p.keys == 0 for p in mine if p.split >= used)  # exit at once
+            assert all(p.writes_partial == (used > 1) for p in mine if p.rows)
     group = hq // hkv
     packed = prefix_bytes_read(
-        partials_programs(prefix, ext, hq, hkv, n_splits, block_m=16, block_n=16), 64, 64, 2
+        verify_programs(prefix, ext, hq, hkv, n_splits, block_m=16, block_n=16, min_split=min_split), 64, 64, 2
     )
     assert packed == sum(prefix) * hkv * 128 * 2  # each KV byte read once
     if not pack_gqa:
         assert prefix_bytes_read(progs, 64, 64, 2) == group * packed
 
 
-def test_row_tiles_past_the_drafts_do_nothing():
-    # GROUP 8 x 4 drafts = 32 rows in 16-row tiles: 2 live tiles; 1 draft -> 1.
-    progs = partials_programs([64, 64], [4, 1], 8, 1, 2, block_m=16, block_n=16)
+def test_prefix_only_launch_has_no_draft_keys():
+    progs = verify_programs([100, 0], [3, 2], 4, 2, 3, block_m=16, block_n=16, min_split=32, attend_draft=False)
+    assert all(p.draft_keys == 0 for p in progs)
+    assert sum(p.prefix_keys for p in progs) == 100 * 2
+
+
+def test_former_name_still_works():
+    assert partials_programs is verify_programs
+
+
+def test_row_blocks_past_the_drafts_do_nothing():
+    # GROUP 8 x 4 drafts = 32 rows in 16-row blocks: 2 live blocks; 1 draft -> 1.
+    progs = verify_programs([64, 64], [4, 1], 8, 1, 2, block_m=16, block_n=16, min_split=32)
     live = sorted({(p.seq, p.m_block) for p in progs if p.rows > 0})
     assert live == [(0, 0), (0, 1), (1, 0)]
     assert all(p.keys == 0 for p in progs if p.rows == 0)
+
+
+def test_scratch_bytes_worked_example():
+    # Sequence 0: 100 keys, min_split 32, 4 slices -> split_len max(roundup(25, 16), 32) = 32,
+    # n_used 4: 4 programs publish 16-row partials of Dv + 1 = 9 floats; the merger reads
+    # 4 partials x 3 live rows. Sequence 1: 10 keys -> one slice, no scratch.
+    progs = verify_programs([100, 10], [3, 2], 1, 1, 4, block_m=16, block_n=16, min_split=32)
+    written, read = scratch_bytes(progs, 8, 16)
+    assert written == 4 * 16 * 9 * 4
+    assert read == 4 * 3 * 9 * 4
+
+
+def test_merge_programs_worked_example():
+    # One launch while the merging program reads at most 65536 floats (n_splits x BLOCK_M x Dv):
+    # 102 x 16 x 40 = 65280 fits, 103 x 16 x 40 = 65920 does not.
+    assert fused_merge(102, 16, 40) and not fused_merge(103, 16, 40)
+    assert not fused_merge(2, 16, 40, one_launch=False)
+    # 103 slices: a spread merge of 8-row x 32-column blocks. Sequence 0: 100 keys ->
+    # split_len max(roundup(1, 16), 32) = 32 -> 4 slices; its tile has 3 live rows (1 head x 3
+    # drafts) in row chunk 0; Dv 40 -> column chunks of 32 and 8. Sequence 1: 10 keys -> one
+    # slice, finished by the verify kernel: its merge programs exit.
+    progs = merge_programs([100, 10], [3, 2], 1, 1, 103, block_m=16, block_n=16, v_head_dim=40, min_split=32)
+    assert len(progs) == 2 * 2 * 2  # tiles x row chunks x column chunks
+    live = [(m.seq, m.row_chunk, m.col_chunk, m.rows, m.columns, m.slices) for m in progs if m.rows]
+    assert live == [(0, 0, 0, 3, 32, 4), (0, 0, 1, 3, 8, 4)]
+    assert [m.index for m in progs] == list(range(8)) and progs[1].seq == 1  # the tile varies fastest
+    verify = verify_programs([100, 10], [3, 2], 1, 1, 103, block_m=16, block_n=16, min_split=32)
+    assert scratch_bytes(verify, 40, 16, progs) == (4 * 16 * 41 * 4, 3 * 4 * (33 + 9) * 4)
+    assert merge_programs([100, 10], [3, 2], 1, 1, 9, block_m=16, block_n=16, v_head_dim=40) == []
 
 
 def test_extend_programs():
@@ -112,25 +215,188 @@ def test_waves_and_schedule():
     assert makespan == 100.0
 
 
-def test_mirror_matches_the_kernel():
-    """Slices the mirror calls empty are exactly those the kernel stores as lse = -inf."""
-    p = make_problem([70, 0, 5], [3, 2, 4], 4, 2, 32, device=DEVICE, seed=3)
-    n_splits = 4
-    runner = VerifySplitKV(4, 2, 32, 32, p.max_len_extend, p.batch_size, DEVICE, n_splits=n_splits)
-    part_o, part_lse = runner.scratch()
-    part_lse.fill_(float("nan"))
-    split_kv_partials(
-        p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer,
-        p.qo_indptr, p.kv_indptr, p.kv_indices, p.custom_mask, p.mask_indptr, p.is_causal,
-        part_o, part_lse, batch_size=p.batch_size, max_len_extend=p.max_len_extend,
-        n_splits=n_splits, sm_scale=p.sm_scale, k_scale=1.0, v_scale=1.0, config=runner.config,
-    )
-    lse = part_lse[: p.num_tokens * 4 * (n_splits + 1)].view(p.num_tokens, 4, n_splits + 1).cpu()
-    assert not torch.isnan(lse).any(), "a slot the kernel owns was not written"
-    keys = split_keys(p.prefix_lens, n_splits, runner.config.block_n)
-    starts = p.qo_indptr.tolist()
-    for b, row in enumerate(keys):
-        seq = lse[starts[b] : starts[b + 1]]
-        for s, k in enumerate(row):
-            assert torch.isneginf(seq[:, :, s]).all() == (k == 0), (b, s, k)
-        assert torch.isfinite(seq[:, :, n_splits]).all()  # the draft block always has keys
+# --- the mirror against the kernel -------------------------------------------------
+
+def _slice_state(p, b, h, lo, hi, with_draft):
+    """Float64 ``(o [L, Dv], lse2 [L])`` of query head ``h`` of sequence ``b`` over
+    prefix keys ``[lo, hi)`` (and the draft block if ``with_draft``)."""
+    f64 = torch.float64
+    group = p.num_q_heads // p.num_kv_heads
+    g = h // group
+    q0, q1 = p.qo_indptr[b].item(), p.qo_indptr[b + 1].item()
+    k0 = p.kv_indptr[b].item()
+    slots = p.kv_indices[k0 + lo: k0 + hi].long()
+    q = p.q_extend[q0:q1, h].to(f64)
+    scores = [q @ p.k_buffer[slots, g].to(f64).T * (p.sm_scale * p.k_scale)]
+    values = [p.v_buffer[slots, g].to(f64) * p.v_scale]
+    if with_draft:
+        s = q @ p.k_extend[q0:q1, g].to(f64).T * p.sm_scale
+        n = q1 - q0
+        s = s.masked_fill(~torch.tril(torch.ones(n, n, dtype=torch.bool, device=s.device)), float("-inf"))
+        scores.append(s)
+        values.append(p.v_extend[q0:q1, g].to(f64))
+    s = torch.cat(scores, 1)
+    lse = torch.logsumexp(s, 1)
+    o = torch.softmax(s, 1) @ torch.cat(values)
+    return o, lse * LOG2E
+
+
+def _run_default_scratch_poisoned(plan, p, monkeypatch):
+    """Run ``plan`` with its default per-call scratch, catching that scratch and poisoning it with NaN."""
+    caught = []
+    real_empty = torch.empty
+    size = plan.grid[0] * plan.n_splits * plan.config.block_m * (p.v_head_dim + 1)
+
+    def empty(*shape, **kwargs):
+        t = real_empty(*shape, **kwargs)
+        if t.dtype == torch.float32 and t.dim() == 1 and t.numel() == size:
+            t.fill_(float("nan"))
+            caught.append(t)
+        return t
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", empty)
+        out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    assert len(caught) == 1, "the run did not allocate its partials as expected"
+    return out, caught[0]
+
+
+def _check_against_kernel(p, pack_gqa=True, max_splits=None, monkeypatch=None, **runner_kwargs):
+    """Launch with NaN-poisoned partials; compare what was written with the mirror."""
+    if monkeypatch is None:  # a caller-owned workspace
+        runner, ws = poisoned_workspace_runner(p, pack_gqa=pack_gqa, max_splits=max_splits, **runner_kwargs)
+    else:  # the default per-call scratch, caught as it is allocated
+        runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
+                               p.batch_size, DEVICE, pack_gqa=pack_gqa, **runner_kwargs)
+    plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
+                       p.kv_indices, p.custom_mask, p.mask_indptr, p.is_causal, sm_scale=p.sm_scale,
+                       k_scale=p.k_scale, v_scale=p.v_scale)
+    if monkeypatch is None:
+        out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+        part_o, part_lse = scratch_views(runner, plan, ws)
+    else:
+        out, parts = _run_default_scratch_poisoned(plan, p, monkeypatch)
+        part_o, part_lse = partials_views(plan, parts)
+    assert_matches_reference(out, p)
+    cfg = plan.config
+    min_split = min_split_for(cfg.block_n, MIN_SPLIT)
+    split_tokens = runner_kwargs.get("split_tokens")
+    progs = verify_programs(p.prefix_lens, p.extend_lens, p.num_q_heads, p.num_kv_heads, plan.n_splits,
+                            block_m=cfg.block_m, block_n=cfg.block_n, pack_gqa=pack_gqa,
+                            max_len_extend=p.max_len_extend, min_split=min_split, split_tokens=split_tokens)
+    assert len(progs) == plan.grid[0] * plan.grid[1]
+    part_o, part_lse = part_o.cpu(), part_lse.cpu()
+    written = ~torch.isnan(part_lse)  # [tiles, n_splits, BLOCK_M]
+    tiles = plan.grid[0]
+    expected = torch.zeros(tiles, plan.n_splits, dtype=torch.bool)
+    for q in progs:
+        tile = q.index % tiles
+        assert q.split == q.index // tiles
+        expected[tile, q.split] = q.writes_partial
+    # Exactly the programs the mirror says publish a partial wrote one (whole BLOCK_M rows).
+    assert torch.equal(written.all(-1), expected), (written.all(-1), expected)
+    assert torch.equal(written.any(-1), expected)
+    assert written.sum().item() * (p.v_head_dim + 1) * 4 == scratch_bytes(progs, p.v_head_dim, cfg.block_m)[0]
+    assert expected.any(), "no tile was cut into several slices: the test proves nothing"
+    # Each published partial is the attention over the keys the mirror gives its slice.
+    hpt = p.num_q_heads // p.num_kv_heads if pack_gqa else 1
+    for q in progs:
+        if not q.writes_partial:
+            continue
+        tile = q.index % tiles
+        lo, hi = split_ranges(p.prefix_lens[q.seq], plan.n_splits, cfg.block_n, min_split,
+                              split_tokens=split_tokens)[q.split]
+        for r in range(q.rows):
+            row = q.m_block * cfg.block_m + r
+            token, h = row // hpt, q.head_tile * hpt + row % hpt
+            o_ref, lse_ref = _slice_state(p, q.seq, h, lo, hi, q.draft_keys > 0)
+            got_lse = part_lse[tile, q.split, r].item()
+            assert abs(got_lse - lse_ref[token].item()) < 1e-3, (q, r, got_lse, lse_ref[token].item())
+            got_o = part_o[tile, q.split, r].double()
+            err = (got_o - o_ref[token].cpu()).norm() / o_ref[token].cpu().norm()
+            assert err < 1e-3, (q, r, err.item())
+    return plan
+
+
+@pytest.mark.parametrize("n_splits", [1, 3, 7])
+def test_mirror_matches_the_kernel_adaptive(n_splits):
+    """Ragged prefixes: some cut into several slices, short ones into one, programs past n_used exit."""
+    long = 4 * MIN_SPLIT + 22
+    p = make_problem([long, 0, MIN_SPLIT + 5, 5, 3 * MIN_SPLIT], [3, 2, 4, 1, 2], 4, 2, 32,
+                     dtype=torch.float32, device=DEVICE, seed=3)
+    if n_splits == 1:
+        runner, _ = poisoned_workspace_runner(p, n_splits=1)
+        plan = runner.plan(*p.args(None)[:3], *p.args(None)[4:9], sm_scale=p.sm_scale)
+        assert plan.scratch_bytes == 0  # one slice: every tile finishes in registers
+        return
+    _check_against_kernel(p, n_splits=n_splits)
+
+
+def test_mirror_matches_the_kernel_per_head_layout():
+    p = make_problem([3 * MIN_SPLIT + 7, 20], [2, 3], 4, 2, 16, dtype=torch.float32, device=DEVICE, seed=4)
+    _check_against_kernel(p, pack_gqa=False, n_splits=4)
+
+
+def test_mirror_matches_the_kernel_several_row_blocks():
+    """GROUP 8 x 5 drafts = 40 rows: three 16-row blocks, or one 64-row block on the GPU."""
+    p = make_problem([2 * MIN_SPLIT + 9, 3], [5, 2], 8, 1, 16, dtype=torch.float32, device=DEVICE, seed=5)
+    from splitkv.kernel import TileConfig
+
+    _check_against_kernel(p, n_splits=3, config=TileConfig(16, 16, 4, 1))
+
+
+def test_mirror_matches_the_kernel_default_scratch(monkeypatch):
+    """The same with the runner's own per-call partials (caught as allocated, poisoned)."""
+    p = make_problem([3 * MIN_SPLIT + 7, 0, MIN_SPLIT - 1], [2, 3, 4], 4, 2, 16, dtype=torch.float32,
+                     device=DEVICE, seed=7)
+    _check_against_kernel(p, n_splits=5, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("n_splits,dv,one_launch", [(33, 128, True), (4, 40, False)])
+def test_spread_merge_matches_the_mirror(n_splits, dv, one_launch):
+    """Past the one-launch limit (or with one_launch=False) the verify kernel leaves the rows of
+    multi-slice tiles to a second launch: skipping that launch leaves exactly the rows the
+    mirror's merge programs own unwritten; running it completes the output."""
+    p = make_problem([5 * MIN_SPLIT + 3, 0, MIN_SPLIT + 1, 9], [3, 2, 4, 1], 4, 2, dv, dtype=torch.float32,
+                     device=DEVICE, seed=8)
+    runner = VerifySplitKV(4, 2, dv, dv, p.max_len_extend, p.batch_size, DEVICE, n_splits=n_splits,
+                           one_launch=one_launch)
+    plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
+                       p.kv_indices, sm_scale=p.sm_scale)
+    cfg = plan.config
+    kw = dict(block_m=cfg.block_m, block_n=cfg.block_n, min_split=min_split_for(cfg.block_n, MIN_SPLIT))
+    merge = merge_programs(p.prefix_lens, p.extend_lens, 4, 2, n_splits, v_head_dim=dv, one_launch=one_launch, **kw)
+    assert merge and not plan.fused
+    grids = []
+    real_merge = plan._merge
+    plan._merge = lambda grid, args: grids.append(grid)  # the verify kernel alone
+    out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    assert len(grids) == 1 and grids[0][0] * grids[0][1] * grids[0][2] == len(merge)
+    from splitkv.runner import MERGE_DV, MERGE_ROWS
+
+    hpt, width = 2, min(MERGE_DV, dv if dv & (dv - 1) == 0 else 1 << dv.bit_length())
+    expected = torch.zeros(p.num_tokens, 4, dv, dtype=torch.bool)  # what the merge launch must write
+    for m in merge:
+        for r in range(m.row_chunk * MERGE_ROWS, m.row_chunk * MERGE_ROWS + m.rows):
+            row = m.m_block * cfg.block_m + r
+            token = p.qo_indptr[m.seq].item() + row // hpt
+            expected[token, m.head_tile * hpt + row % hpt, m.col_chunk * width: m.col_chunk * width + m.columns] = True
+    assert torch.equal(torch.isnan(out).cpu(), expected)
+    plan._merge = real_merge
+    out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    assert_matches_reference(out, p)
+
+
+def test_mirror_matches_the_kernel_fixed_slices(monkeypatch):
+    """split_tokens=128: 300 keys -> slices of 128, 128, 44; 129 -> 128, 1; 128 and 0 -> one slice."""
+    p = make_problem([300, 0, 129, 128], [2, 3, 1, 2], 4, 2, 16, dtype=torch.float32, device=DEVICE, seed=6)
+    grid = cdiv(p.kv_indices.shape[0], 128)  # the fixed-slice grid: cdiv(len(kv_indices), split_tokens)
+    assert [n_used(n, grid, 16, split_tokens=128) for n in p.prefix_lens] == [3, 1, 2, 1]
+    plan = _check_against_kernel(p, split_tokens=128, monkeypatch=monkeypatch)
+    assert plan.n_splits == grid
+
+
+def test_fixed_slices_with_a_workspace():
+    p = make_problem([300, 0, 129, 128], [2, 3, 1, 2], 4, 2, 16, dtype=torch.float32, device=DEVICE, seed=6)
+    plan = _check_against_kernel(p, split_tokens=128, max_splits=cdiv(p.kv_indices.shape[0], 128))
+    assert plan.n_splits == cdiv(p.kv_indices.shape[0], 128)

@@ -5,21 +5,39 @@ Runs on the CPU through the Triton interpreter (float16/float32) and on a GPU
 fresh, kv_indices are random slots of a larger pool.
 """
 
+import random
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import DEVICE, DTYPES, TOLERANCE, assert_matches_reference
+from conftest import (
+    DEVICE,
+    DTYPES,
+    MIN_SPLIT,
+    TOLERANCE,
+    all_counters_zero,
+    assert_close,
+    assert_matches_reference,
+    concat_problems,
+    last_plan,
+    poisoned_workspace_runner,
+    prefix_only_mask,
+)
 from splitkv import (
+    VerifyPlan,
     VerifySplitKV,
     can_handle,
     decline_reason,
     extend_attention_fwd,
+    get_runner,
     verify_attention,
     verify_splitkv_fwd,
+    workspace_bytes,
 )
-from splitkv.testing import make_problem, relative_error
+from splitkv.occupancy import min_split_for, n_used
+from splitkv.testing import make_problem, reference_for, relative_error
 
 
 def run_split(problem, **kwargs):
@@ -30,22 +48,36 @@ def run_split(problem, **kwargs):
 
 
 def run_runner(problem, n_splits, pack_gqa=True, poison_scratch=True):
-    """The runner with a forced split count, its scratch poisoned with NaN."""
+    """A runner with a forced split count and a caller-owned workspace whose partials are NaN."""
     p = problem
-    runner = VerifySplitKV(
-        p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim,
-        p.max_len_extend, p.batch_size, DEVICE, pack_gqa=pack_gqa, n_splits=n_splits,
-    )
     if poison_scratch:
-        for buf in runner.scratch():
-            buf.fill_(float("nan"))
+        runner, _ = poisoned_workspace_runner(p, pack_gqa=pack_gqa, n_splits=n_splits)
+    else:
+        runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim,
+                               p.max_len_extend, p.batch_size, DEVICE, pack_gqa=pack_gqa, n_splits=n_splits)
     out = p.new_output()
     runner(
         p.q_extend, p.k_extend, p.v_extend, out, p.k_buffer, p.v_buffer,
         p.qo_indptr, p.kv_indptr, p.kv_indices, p.custom_mask, p.mask_indptr, p.is_causal,
         sm_scale=p.sm_scale, k_scale=p.k_scale, v_scale=p.v_scale, sinks=p.sinks,
     )
+    assert all_counters_zero()
     return out
+
+
+def plan_of(runner, p, **kwargs):
+    """``runner.plan`` for a problem's tensors."""
+    return runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
+                       p.kv_indices, p.custom_mask, p.mask_indptr, p.is_causal, sm_scale=p.sm_scale,
+                       k_scale=p.k_scale, v_scale=p.v_scale, sinks=p.sinks, **kwargs)
+
+
+def slices_used(plan, p):
+    """Prefix slices the kernel uses per sequence under ``plan`` (the mirror, checked in test_occupancy)."""
+    block_n = plan.config.block_n
+    split_tokens = plan.runner.split_tokens
+    return [n_used(n, plan.n_splits, block_n, min_split_for(block_n, MIN_SPLIT), split_tokens=split_tokens)
+            for n in p.prefix_lens]
 
 
 # --- parity with the oracle across the shape space -------------------------
@@ -164,49 +196,78 @@ def test_padding_rows_past_the_batch_untouched():
     assert (out[p.num_tokens:] == 7.0).all()
 
 
-def test_runner_scratch_fixed_across_batch_sizes():
-    """One runner serves every bs <= max_bs from the same scratch addresses."""
-    runner = VerifySplitKV(4, 2, 32, 32, 4, max_bs=3, device=DEVICE)
-    addresses = [t.data_ptr() for t in runner.scratch()]
+def test_workspace_serves_every_batch_up_to_max_bs():
+    """One runner with a caller-owned workspace (partials poisoned) serves every bs <= max_bs."""
+    p0 = make_problem([54], 4, 4, 2, 32, device=DEVICE)
+    runner, ws = poisoned_workspace_runner(p0, max_bs=3, n_splits=4)
     for prefix_lens in ([54], [97, 3], [1, 54, 0]):
         p = make_problem(prefix_lens, 4, 4, 2, 32, device=DEVICE)
         out = p.new_output()
         runner(*p.args(out)[:9], p.custom_mask, p.mask_indptr, p.is_causal, sm_scale=p.sm_scale)
         assert_matches_reference(out, p)
-        assert [t.data_ptr() for t in runner.scratch()] == addresses
+        assert all_counters_zero() and int(torch.count_nonzero(runner._ws_counters)) == 0
     p = make_problem([5] * 4, 4, 4, 2, 32, device=DEVICE)
     with pytest.raises(ValueError, match="max_bs"):
         runner(*p.args(p.new_output())[:9], sm_scale=p.sm_scale)
 
 
-def test_runner_refuses_scratch_past_32_bit_offsets():
-    with pytest.raises(ValueError, match="2\\^31"):
-        VerifySplitKV(128, 1, 256, 256, 64, max_bs=8192, device=DEVICE)
+def test_workspace_too_small_is_refused():
+    p = make_problem([54], 4, 4, 2, 32, device=DEVICE)
+    need = workspace_bytes(4, 2, 32, 4, 1, 4)
+    with pytest.raises(ValueError, match="workspace"):
+        VerifySplitKV(4, 2, 32, 32, 4, 1, DEVICE, n_splits=4,
+                      workspace=torch.zeros(need // 4 - 1, dtype=torch.float32, device=DEVICE))
+    assert p.batch_size == 1
+
+
+def _meta_args(bs, h_q, h_kv, d, kv_len, L=4):
+    meta = lambda *shape, dtype=torch.float16: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    return (meta(bs * L, h_q, d), meta(bs * L, h_kv, d), meta(bs * L, h_kv, d), meta(1, h_kv, d), meta(1, h_kv, d),
+            meta(bs + 1, dtype=torch.int32), meta(bs + 1, dtype=torch.int32), meta(kv_len, dtype=torch.int64),
+            None, True, None, L)
+
+
+def test_launch_limits_declined():
+    """Grids past CUDA's limits are declined from shapes alone (meta tensors: no memory, no values)."""
+    ok = _meta_args(2, 4, 2, 32, 1000)
+    assert decline_reason(*ok) is None
+    assert decline_reason(*_meta_args(2, 4, 2, 32, 2**31)).startswith("launch limit")  # 32-bit positions
+    # Fixed slices: cdiv(kv_len, 128) > 65535 slices on grid axis 1.
+    assert decline_reason(*_meta_args(2, 4, 2, 32, 128 * 65535 + 1), split_tokens=128).startswith("launch limit")
+    assert decline_reason(*_meta_args(2, 4, 2, 32, 128 * 65535), split_tokens=128) is None
+    # Tiles on axis 0: 64 KV heads x 1 row block x 2^25 sequences = 2^31.
+    assert decline_reason(*_meta_args(2, 64, 64, 32, 1000, L=1), max_bs=2**25).startswith("launch limit")
+    assert decline_reason(*_meta_args(2, 64, 64, 32, 1000, L=1), max_bs=2**25 - 1) is None
+    assert "multiple of 128" in decline_reason(*ok, split_tokens=100)
 
 
 def test_drop_in_reuses_one_runner_per_shape():
-    from splitkv.api import _RUNNERS
-
     shapes = dict(num_q_heads=4, num_kv_heads=1, head_dim=16, extend_lens=2, device=DEVICE)
-    run_split(make_problem([30, 30], **shapes), max_bs=8)
-    count = len(_RUNNERS)
+    p = make_problem([30, 30], **shapes)
+    run_split(p, max_bs=8)
+    runner = get_runner(p.q_extend, p.k_extend, p.v_extend, p.max_len_extend, 8)
     for bs in (1, 3, 8):
-        run_split(make_problem([30] * bs, **shapes), max_bs=8)
-    assert len(_RUNNERS) == count
+        q = make_problem([30] * bs, **shapes)
+        run_split(q, max_bs=8)
+        assert get_runner(q.q_extend, q.k_extend, q.v_extend, q.max_len_extend, 8) is runner
+        assert last_plan().runner is runner
 
 
-def test_outgrown_runner_is_kept_alive():
-    """A larger max_bs replaces the cached runner; the old scratch stays allocated
-    (CUDA graphs captured with it keep valid addresses)."""
-    from splitkv.api import _RETIRED, get_runner
+def test_runner_grows_in_place_and_outgrown_counters_stay():
+    """A larger max_bs raises the cached runner's bound (nothing is sized by it); counter arrays
+    that are outgrown stay referenced (CUDA graphs captured with them keep valid addresses)."""
+    from splitkv import runner as runner_mod
 
     p = make_problem([30], 3, 6, 3, 16, device=DEVICE)
     small = get_runner(p.q_extend, p.k_extend, p.v_extend, 3, max_bs=2)
-    small.scratch()
     big = get_runner(p.q_extend, p.k_extend, p.v_extend, 3, max_bs=64)
-    assert big is not small and big.capacity > small.capacity
-    assert any(r is small for r in _RETIRED)
-    assert get_runner(p.q_extend, p.k_extend, p.v_extend, 3, max_bs=5) is big
+    assert big is small and big.max_bs == 64
+    assert get_runner(p.q_extend, p.k_extend, p.v_extend, 3, max_bs=5) is big and big.max_bs == 64
+    first = runner_mod.counters(torch.device(DEVICE), 16)
+    grown = runner_mod.counters(torch.device(DEVICE), first.numel() + 1)
+    assert grown.numel() >= 2 * first.numel() and not grown.count_nonzero()
+    assert any(a is first for a in runner_mod._OUTGROWN)
+    assert runner_mod.counters(torch.device(DEVICE), 16) is grown  # never shrinks
 
 
 # --- the gate --------------------------------------------------------------
@@ -309,6 +370,193 @@ def test_bf16_under_the_interpreter_is_refused_not_wrong():
     assert decline_reason(*_gate_args(p)).startswith("bfloat16")
     with pytest.raises(NotImplementedError, match="bfloat16"):
         verify_attention(*p.args(None), **p.kwargs())
+
+
+# --- the production path with several slices per sequence ---------------------
+
+#: Prefixes cut into several slices whatever the machine (MIN_SPLIT is 32 under the interpreter).
+SLICED = [6 * MIN_SPLIT + 13, 0, 3 * MIN_SPLIT + 1, 5]
+#: Extends for SLICED (so the row blocks differ per sequence).
+SLICED_EXT = [4, 2, 3, 1]
+
+FEATURES = {
+    "sinks-scales": dict(sinks=True, k_scale=0.5, v_scale=2.0),
+    "int32-fused": dict(index_dtype=torch.int32, fused_qkv=True),
+    "tree-sinks-int32": dict(mask="tree", sinks=True, index_dtype=torch.int32),
+    "chain-fused-scales": dict(mask="chain", fused_qkv=True, k_scale=1.5, v_scale=0.5),
+    "full-draft-block": dict(mask="none", sinks=True),
+}
+
+
+def strided_output(p, fill=float("nan")):
+    """A ``[tokens, H_Q, Dv]`` view with padded rows and heads inside a buffer of 7.0, itself ``fill``."""
+    backing = torch.full((p.num_tokens, p.num_q_heads + 1, 2 * p.v_head_dim), 7.0, dtype=p.q_extend.dtype,
+                         device=DEVICE)
+    out = backing[:, 1:, p.v_head_dim // 2: p.v_head_dim // 2 + p.v_head_dim]
+    out.fill_(fill)
+    assert not out.is_contiguous()
+    return backing, out
+
+
+def untouched_outside(backing, p):
+    mask = torch.ones_like(backing, dtype=torch.bool)
+    mask[:, 1:, p.v_head_dim // 2: p.v_head_dim // 2 + p.v_head_dim] = False
+    return bool((backing[mask] == 7.0).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_production_path_several_slices(feature, dtype):
+    """Drop-in and production entry, several slices per sequence, every feature at once,
+    into a strided NaN-poisoned output: oracle parity, nothing written outside, counters at 0."""
+    p = make_problem(SLICED, SLICED_EXT, 4, 1, 32, dtype=dtype, device=DEVICE, seed=11, **FEATURES[feature])
+    backing, out = strided_output(p)
+    assert verify_splitkv_fwd(*p.args(out), **p.kwargs(), check=True)
+    plan = last_plan()
+    assert isinstance(plan, VerifyPlan) and plan.n_splits >= 2
+    assert max(slices_used(plan, p)) >= 2, "no sequence was cut into several slices"
+    assert_matches_reference(out, p)
+    assert untouched_outside(backing, p)
+    assert all_counters_zero()
+    backing2, out2 = strided_output(p)
+    got = verify_attention(*p.args(out2), **p.kwargs())
+    assert got is out2 and torch.equal(out2, out)  # the same plan, the same bits
+    assert untouched_outside(backing2, p) and all_counters_zero()
+
+
+def test_several_slices_are_really_used():
+    """The plan's grid has several slices and long prefixes get several of them."""
+    p = make_problem(SLICED, 4, 4, 1, 32, device=DEVICE, seed=12)
+    run_split(p)
+    plan = last_plan()
+    used = slices_used(plan, p)
+    assert plan.n_splits >= 3 and used[0] >= 3 and used[2] >= 2 and used[1] == used[3] == 1
+    assert plan.scratch_bytes > 0
+
+
+def _invariance_batch(target, position, size, seed, max_prefix=40):
+    rng = random.Random(seed)
+    others = [make_problem([rng.randint(0, max_prefix)], [rng.randint(1, target.max_len_extend)],
+                           target.num_q_heads, target.num_kv_heads, target.head_dim, dtype=target.q_extend.dtype,
+                           device=DEVICE, seed=seed * 1000 + i, index_dtype=target.kv_indices.dtype)
+              for i in range(size - 1)]
+    return concat_problems(others[:position] + [target] + others[position:], max_len_extend=4)
+
+
+def test_fixed_slices_batch_invariant():
+    """split_tokens=128: a sequence's output is bitwise the same alone and inside batches of 7 and 64
+    (other sequences of other lengths, various max_bs)."""
+    target = make_problem([300], [3], 2, 1, 16, device=DEVICE, seed=21).replace(max_len_extend=4)
+    alone = run_split(target, split_tokens=128)
+    assert_matches_reference(alone, target)
+    assert last_plan().n_splits == 3 and slices_used(last_plan(), target) == [3]  # 128 + 128 + 44 keys
+    for size, position, max_bs in [(7, 3, None), (7, 0, 64), (64, 40, 64), (64, 63, 100)]:
+        batch = _invariance_batch(target, position, size, seed=size + position)
+        out = run_split(batch, split_tokens=128, max_bs=max_bs)
+        q0 = batch.qo_indptr[position].item()
+        assert torch.equal(out[q0: q0 + 3], alone), (size, position, max_bs)
+        assert all_counters_zero()
+    assert_matches_reference(out, batch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sinks", [False, True])
+def test_return_lse_matches_oracle(dtype, sinks):
+    p = make_problem(SLICED, [3, 1, 2, 4], 4, 1, 32, dtype=dtype, sinks=sinks, mask="tree", device=DEVICE,
+                     seed=31)
+    out, lse = verify_attention(*p.args(p.new_output()), **p.kwargs(), return_lse=True)
+    assert max(slices_used(last_plan(), p)) >= 2
+    ref_o, ref_lse = reference_for(p, return_lse=True)
+    assert_close(out, ref_o, dtype)
+    assert lse.dtype == torch.float32 and lse.shape == (p.num_tokens, p.num_q_heads)
+    assert (lse.double() - ref_lse).abs().max().item() < (1e-4 if dtype == torch.float32 else 2e-3)
+    # The runner's plan gives the same state, with a forced grid and poisoned partials.
+    runner, _ = poisoned_workspace_runner(p, n_splits=5)
+    o2, lse2 = plan_of(runner, p, return_lse=True).run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer,
+                                                      p.v_buffer, out=p.new_output())
+    assert_close(o2, ref_o, dtype)
+    assert (lse2.double() - ref_lse).abs().max().item() < (1e-4 if dtype == torch.float32 else 2e-3)
+    assert all_counters_zero()
+
+
+def prefix_only_reference(p):
+    """The oracle with the draft block hidden (a custom mask with every draft column False)."""
+    mask, mask_indptr = prefix_only_mask(p)
+    return reference_for(p, custom_mask=mask, mask_indptr=mask_indptr, return_lse=True)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("n_splits", [None, 4])
+def test_prefix_only(sinks, n_splits):
+    """attend_draft=False (a context-parallel shard): the oracle over the prefix alone.
+    A sequence with no prefix has no key: o = 0 and lse = -inf (or the sink's logit)."""
+    p = make_problem(SLICED, [3, 2, 4, 1], 4, 1, 32, dtype=torch.float32, sinks=sinks, device=DEVICE, seed=41)
+    if n_splits is None:
+        runner = VerifySplitKV(4, 1, 32, 32, p.max_len_extend, p.batch_size, DEVICE)
+    else:
+        runner, _ = poisoned_workspace_runner(p, n_splits=n_splits)
+    plan = plan_of(runner, p, return_lse=True, attend_draft=False)
+    assert max(slices_used(plan, p)) >= 2
+    out, lse = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    ref_o, ref_lse = prefix_only_reference(p)
+    empty = torch.zeros(p.num_tokens, dtype=torch.bool, device=DEVICE)
+    empty[p.qo_indptr[1]: p.qo_indptr[2]] = True  # sequence 1 has no prefix
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    if sinks:
+        assert torch.allclose(lse[empty].double(), ref_lse[empty], atol=1e-5)
+    else:
+        assert torch.isneginf(lse[empty]).all() and torch.isnan(ref_o[empty]).all()
+    assert_close(out[~empty], ref_o[~empty], torch.float32)
+    assert (lse[~empty].double() - ref_lse[~empty]).abs().max().item() < 1e-4
+    assert all_counters_zero()
+
+
+def test_repeated_calls_bitwise_identical():
+    p = make_problem(SLICED, SLICED_EXT, 4, 1, 32, mask="tree", sinks=True, device=DEVICE, seed=51)
+    first = verify_attention(*p.args(p.new_output()), **p.kwargs())
+    assert max(slices_used(last_plan(), p)) >= 2
+    for _ in range(3):
+        assert torch.equal(verify_attention(*p.args(p.new_output()), **p.kwargs()), first)
+        assert torch.equal(run_split(p), first)
+    assert all_counters_zero()
+
+
+@pytest.mark.parametrize("n_splits", [None, 3])
+def test_caller_workspace_same_bits_as_default(n_splits):
+    """splitkv.workspace_bytes + torch.zeros gives the bits of the per-call scratch."""
+    p = make_problem(SLICED, SLICED_EXT, 4, 1, 32, sinks=True, device=DEVICE, seed=61)
+    shape = (4, 1, 32, 32, p.max_len_extend, p.batch_size)
+    ws = torch.zeros(workspace_bytes(4, 1, 32, p.max_len_extend, p.batch_size, n_splits or 64),
+                     dtype=torch.uint8, device=DEVICE)
+    owned = VerifySplitKV(*shape, DEVICE, workspace=ws, n_splits=n_splits)
+    default = VerifySplitKV(*shape, DEVICE, n_splits=n_splits)
+    plan = plan_of(owned, p)
+    assert plan.n_splits >= 2 and max(slices_used(plan, p)) >= 2
+    a = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    b = plan_of(default, p).run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    assert torch.equal(a, b)
+    assert_matches_reference(a, p)
+    assert int(torch.count_nonzero(owned._ws_counters)) == 0 and all_counters_zero()
+    again = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    assert torch.equal(again, a)  # the workspace's counters were left at zero for the next run
+
+
+def test_counters_back_to_zero_after_every_call():
+    p = make_problem(SLICED, SLICED_EXT, 4, 1, 32, device=DEVICE, seed=71)
+    calls = [
+        lambda: run_split(p),
+        lambda: run_split(p, split_tokens=128),
+        lambda: verify_attention(*p.args(None), **p.kwargs(), return_lse=True),
+        lambda: run_runner(p, 7),
+        lambda: plan_of(VerifySplitKV(4, 1, 32, 32, 4, 5, DEVICE), p, attend_draft=False).run(
+            p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer),
+    ]
+    from splitkv import runner as runner_mod
+
+    for call in calls:
+        call()
+        assert runner_mod._COUNTERS, "no counters were used"
+        assert all_counters_zero()
 
 
 # --- randomised property test ------------------------------------------------

@@ -10,6 +10,16 @@ Only notebook pages are touched, and only their text: ``<script>``,
 ``<style>``, ``<pre>``, ``<code>`` and ``<textarea>`` elements (source code and
 printed output) are left alone. A formula that ``latex2mathml`` cannot convert
 stays as TeX in a ``<code>`` element, and the build reports it at INFO level.
+
+Two gaps of ``latex2mathml`` are filled before converting: inside ``\text{}``
+(and its relatives) TeX's escaped characters ``\_ \% \# \$`` mean the bare
+character, which latex2mathml would copy backslash and all (``n\_splits``);
+and its ``aligned``/``gathered`` environments come out as one run of symbols
+with the ``&`` markers in it, so they are converted as the equivalent
+``split`` (a two-column table: right-aligned, left-aligned) and a one-column
+table. The browser check (tests/browser/test_site.py) fails on a backslash, a
+stray ``&`` or an ignored line break left in rendered math.
+
 Without ``latex2mathml`` installed the hook does nothing but say so once: the
 notebooks still render, with their math as TeX.
 """
@@ -37,9 +47,37 @@ _DISPLAY = re.compile(r"(?<![\\$])\$\$(.+?)(?<!\\)\$\$", re.DOTALL)
 _INLINE = re.compile(r"(?<![\\$\w])\$(?![\s$])(.+?)(?<![\s\\$])\$(?![\w$])", re.DOTALL)
 _warned_missing = False
 
+#: A text-mode command and its braced argument (one level of nested braces).
+_TEXT_ARG = re.compile(
+    r"\\(text|textrm|textit|textbf|textsf|texttt|textnormal|mbox)\s*\{((?:[^{}]|\{[^{}]*\})*)\}"
+)
+#: TeX's escaped specials, which in text mode stand for the character itself.
+_TEXT_ESCAPE = re.compile(r"\\([_%#$])")
+#: Environments latex2mathml renders wrongly, and what to convert instead.
+_ENVIRONMENTS = {
+    "aligned": ("split", "split"),
+    "gathered": ("array}{c", "array"),
+}
+_ENV = re.compile(r"\\(begin|end)\{(" + "|".join(_ENVIRONMENTS) + r")\}")
+
+
+def _env(match: re.Match) -> str:
+    begin, end = _ENVIRONMENTS[match[2]]
+    return f"\\begin{{{begin}}}" if match[1] == "begin" else f"\\end{{{end}}}"
+
+
+def _text(match: re.Match) -> str:
+    command, argument = match[1], _TEXT_ESCAPE.sub(r"\1", match[2])
+    return "\\" + command + "{" + argument + "}"
+
+
+def prepare(tex: str) -> str:
+    """``tex`` rewritten into what latex2mathml converts faithfully."""
+    return _ENV.sub(_env, _TEXT_ARG.sub(_text, tex))
+
 
 def _math(tex: str, display: str, where: str) -> str:
-    source = html.unescape(tex).strip()
+    source = prepare(html.unescape(tex).strip())
     try:
         mathml = _to_mathml(source, display=display)
     except Exception as err:  # noqa: BLE001 - any failure: keep the TeX visible
@@ -65,11 +103,40 @@ def convert_html(page_html: str, where: str = "page") -> str:
     return "".join(out)
 
 
-def _fix_toc(items, where: str) -> None:
-    """Inline math in the table of contents' heading titles, as MathML too."""
+#: A heading of the converted page: its id and its content, up to the anchor link.
+_HEADING = re.compile(
+    r'<h([1-6])\b[^>]*\bid="([^"]+)"[^>]*>(.*?)(?:<a class="anchor-link"[^>]*>.*?</a>)?\s*</h\1>',
+    re.DOTALL,
+)
+
+
+def _flat(items):
     for item in items:
-        item.title = _INLINE.sub(lambda m: _math(m[1], "inline", where), item.title)
-        _fix_toc(item.children, where)
+        yield item
+        yield from _flat(item.children)
+
+
+def _fix_toc(toc, page_html: str, where: str) -> None:
+    """The table of contents' titles and links as the page's headings have them.
+
+    mkdocs-jupyter makes the entries from the Markdown source: it drops code
+    spans ("4. The oracle: `splitkv.testing...`" became "4. The oracle:"),
+    so its link misses the heading's id, and it leaves math as TeX. The
+    headings of the converted page have all of it right: the entries take
+    their titles and ids, in order (or by id, should the counts differ).
+    """
+    items = list(_flat(toc.items))
+    headings = [(m[2], m[3].strip()) for m in _HEADING.finditer(page_html)]
+    if len(items) == len(headings):
+        for item, (hid, title) in zip(items, headings):
+            item.id, item.title = hid, title
+        return
+    by_id = dict(headings)
+    for item in items:
+        if item.id in by_id:
+            item.title = by_id[item.id]
+        else:
+            item.title = _INLINE.sub(lambda m: _math(m[1], "inline", where), item.title)
 
 
 def on_page_content(page_html, page, config, files):
@@ -81,5 +148,6 @@ def on_page_content(page_html, page, config, files):
             log.info("latex2mathml is not installed: notebook math is shown as TeX")
             _warned_missing = True
         return page_html
-    _fix_toc(page.toc.items, page.file.src_uri)
-    return convert_html(page_html, page.file.src_uri)
+    page_html = convert_html(page_html, page.file.src_uri)
+    _fix_toc(page.toc, page_html, page.file.src_uri)
+    return page_html

@@ -1,0 +1,907 @@
+"""Context-parallel verify: every sequence's prefix sharded over ranks, partial states merged exactly.
+
+At a long context one GPU spends the whole verify step streaming the prefix
+K/V from its memory. Context parallelism splits that read: each rank of a
+process group holds a *shard* of every sequence's prefix in its own token pool
+(a quarter of a 1M-token context on each of 4 GPUs), all ranks receive the same
+draft queries, and each attends to its own keys only. What a rank computes is
+an attention *state* over a disjoint key set (:mod:`splitkv.merge`)::
+
+    rank r:  (o_r, s_r)    o_r: output over its keys,  s_r = log sum_{j on r} exp(score_j)
+
+and attention over the whole prefix is their LSE-weighted mean, exactly::
+
+    s = log sum_r exp(s_r)          o = sum_r exp(s_r - s) * o_r
+
+One step, on every rank::
+
+    1. local split-KV kernel over the local shard  -> (o_r, s_r)  into a send buffer
+       (the draft block and the sinks on ``draft_rank`` only)
+    2. all-gather of (o_r, s_r) into a receive buffer  (world rows of the send buffer)
+    3. splitkv.merge_states over the world axis      -> (o, s) on the merging ranks
+
+The exchange is ``tokens x heads x (Dv x 2 + 4)`` bytes per rank (bf16
+partials, float32 LSE) whatever the context length: 260 KiB for 8 sequences of
+4 drafts at 32 heads x 128, against gigabytes of prefix K/V. Nothing reads the
+device between the launches: a step plans once (:meth:`ContextParallelVerify.plan`)
+and its :meth:`ContextParallelPlan.run` can be captured into a CUDA graph with
+the all-gather inside it (NCCL collectives are capturable; run one step eagerly
+first so the communicator exists).
+
+The draft block. Each draft token sees its own sequence's draft tokens (causal
+or a tree mask). Those keys are attended on exactly one rank, ``draft_rank``;
+the others launch with ``attend_draft=False``. Attention sinks add
+``exp(sink)`` to the denominator once, so they too are applied on
+``draft_rank`` only; its LSE includes them and the merge carries them through.
+
+Sharding. How the prefix is cut is the caller's (the engine's) choice, as long
+as every key is on exactly one rank; :func:`shard_prefix` implements the two
+usual layouts, by contiguous chunks and by round-robin blocks (its docstring
+draws them), and :func:`shard_mask` re-lays a tree mask for a rank's local
+prefix length. A rank holding no key of a sequence (an *empty shard*: a short
+sequence, or a round-robin block not yet reached) computes the empty state
+``s_r = -inf``, which weighs 0 in the merge.
+
+Entry points:
+
+* :class:`ContextParallelVerify` -- plan once per step, run once per layer,
+  like :class:`splitkv.VerifySplitKV`; send/receive buffers are allocated at
+  plan time (runs allocate only what a :class:`~splitkv.VerifyPlan` run does:
+  the output if none is given, the split-KV scratch) and are graph-capturable;
+* :func:`cp_verify_attention` -- one call (plans cached by signature), the
+  arguments of :func:`splitkv.verify_attention`;
+* :func:`shard_prefix`, :func:`shard_mask`, :func:`shard_owner` -- sharding
+  metadata for engines;
+* :func:`shard_problem`, :func:`simulate_context_parallel`,
+  :func:`launch_local`, :func:`run_cases` -- for tests and notebooks: shard a
+  :class:`~splitkv.testing.VerifyProblem`, run a whole world in one process, or
+  spawn a local gloo world on ``127.0.0.1`` (CPU, Triton interpreter).
+
+Ranks (``draft_rank``, ``dst``) are ranks *within* ``group``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections import OrderedDict
+from datetime import timedelta
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .checks import check_verify_inputs, check_verify_values
+from .gate import decline_reason
+from .merge import merge_states
+from .runner import VerifyPlan, VerifySplitKV
+
+try:
+    import torch.distributed as dist
+except ImportError:  # pragma: no cover - builds without distributed
+    dist = None
+
+__all__ = [
+    "ContextParallelVerify",
+    "ContextParallelPlan",
+    "PrefixShard",
+    "SHARD_MODES",
+    "ROUND_ROBIN_BLOCK",
+    "cp_verify_attention",
+    "shard_owner",
+    "shard_prefix",
+    "shard_mask",
+    "shard_problem",
+    "simulate_context_parallel",
+    "launch_local",
+    "run_cases",
+    "clear_cp_caches",
+]
+
+#: The prefix layouts :func:`shard_prefix` knows.
+SHARD_MODES = ("chunk", "round_robin")
+#: Default block (tokens) of the round-robin layout; the chunk layout defaults to 1.
+ROUND_ROBIN_BLOCK = 256
+
+DstType = Union[None, int, Sequence[int]]
+
+
+# ---- Sharding ------------------------------------------------------------------------------------
+
+
+class PrefixShard(NamedTuple):
+    """One rank's shard of a batch's prefixes (see :func:`shard_prefix`).
+
+    Attributes:
+        kv_indptr: ``[bs + 1]`` int32, the local ranges of ``kv_indices`` (starts at 0).
+        kv_indices: the pool slots of the local keys (entries of the global
+            ``kv_indices``, in prefix order; at least one entry, see below).
+        positions: ``[n_local]`` int64, each local key's position in its
+            sequence's prefix (what a rebuilt mask needs).
+        prefix_lens: ``[bs]`` int64, keys per sequence on this rank.
+    """
+
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    positions: torch.Tensor
+    prefix_lens: torch.Tensor
+
+
+def _check_shard_args(world_size: int, rank: int, mode: str, block: Optional[int]) -> int:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank {rank} of {world_size}")
+    if mode not in SHARD_MODES:
+        raise ValueError(f"unknown shard mode {mode!r}: one of {SHARD_MODES}")
+    if block is None:
+        block = 1 if mode == "chunk" else ROUND_ROBIN_BLOCK
+    if int(block) < 1:
+        raise ValueError(f"block must be a positive number of tokens, got {block}")
+    return int(block)
+
+
+def shard_owner(positions: torch.Tensor, prefix_lens: torch.Tensor, world_size: int,
+                mode: str = "chunk", block: Optional[int] = None) -> torch.Tensor:
+    """The rank holding each prefix position (element-wise, any device).
+
+    Args:
+        positions: int64 positions in their sequence's prefix.
+        prefix_lens: the prefix length of each position's sequence (same shape).
+        world_size: ranks.
+        mode: ``"chunk"`` or ``"round_robin"`` (see :func:`shard_prefix`).
+        block: tokens per block (default 1 for chunks, :data:`ROUND_ROBIN_BLOCK` for round robin).
+
+    Returns:
+        int64 ranks, the shape of ``positions``.
+    """
+    block = _check_shard_args(world_size, 0, mode, block)
+    page = positions // block
+    if mode == "round_robin":
+        return page % world_size
+    n_pages = torch.div(prefix_lens + block - 1, block, rounding_mode="floor").clamp_min(1)
+    return torch.div((page + 1) * world_size - 1, n_pages, rounding_mode="floor")
+
+
+def shard_prefix(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, world_size: int, rank: int,
+                 mode: str = "chunk", block: Optional[int] = None) -> PrefixShard:
+    """Rank ``rank``'s shard of every sequence's prefix.
+
+    Sequence ``b``'s prefix (``n`` keys, entries ``kv_indptr[b]:kv_indptr[b+1]``
+    of ``kv_indices``) is cut into ``P = ceil(n / block)`` blocks of ``block``
+    tokens (the last one may be short), and whole blocks are dealt to ranks::
+
+        prefix of one sequence, P = 10 blocks, world_size = 2
+
+        position      0 ......................................................... n-1
+        block         | 0  | 1  | 2  | 3  | 4  | 5  | 6  | 7  | 8  | 9  |
+        chunk         |        rank 0            |        rank 1            |
+        round_robin   | r0 | r1 | r0 | r1 | r0 | r1 | r0 | r1 | r0 | r1 |
+                                                                       then the draft block
+                                                                       (on draft_rank only)
+
+    * ``"chunk"``: rank ``r`` holds blocks ``[floor(r P / W), floor((r+1) P / W))``,
+      one contiguous run (balanced to a block). ``block`` (default 1: token
+      granularity) aligns the cuts to pages.
+    * ``"round_robin"``: block ``p`` is on rank ``p % W`` (default block
+      :data:`ROUND_ROBIN_BLOCK` tokens). A growing sequence keeps the ranks
+      balanced: the next block goes to the next rank, and nothing moves.
+
+    A sequence with fewer blocks than ranks leaves some ranks an *empty shard*
+    (no key of it); they contribute the empty state, which weighs 0. Which
+    keys a rank holds never changes the result, only the balance of work.
+
+    Reads ``kv_indptr`` on the host (a plan-time step, not for graph capture).
+
+    Args:
+        kv_indptr: ``[bs + 1]`` global ranges of ``kv_indices``.
+        kv_indices: global pool slots of the prefixes.
+        world_size: ranks sharing the prefix.
+        rank: this rank (``0 <= rank < world_size``).
+        mode: ``"chunk"`` or ``"round_robin"``.
+        block: tokens per block (see above).
+
+    Returns:
+        A :class:`PrefixShard`: local ``kv_indptr`` (int32, from 0) and
+        ``kv_indices`` (the global slots this rank holds, same dtype), each key's
+        prefix position, and the local prefix lengths. ``kv_indices`` has at
+        least one entry (a padding 0 past ``kv_indptr[-1]`` when the shard is
+        empty), so a device pointer is never null.
+
+    Raises:
+        ValueError: on a bad rank, mode or block, or a decreasing ``kv_indptr``.
+    """
+    block = _check_shard_args(world_size, rank, mode, block)
+    device = kv_indices.device
+    kvp = kv_indptr.to(device=device, dtype=torch.int64)
+    bs = kvp.shape[0] - 1
+    lens = kvp[1:] - kvp[:-1]
+    if bs < 1 or bool((lens < 0).any()):
+        raise ValueError("kv_indptr must have >= 2 entries and never decrease")
+    lo, hi = int(kvp[0]), int(kvp[-1])
+    j = torch.arange(lo, hi, device=device, dtype=torch.int64)
+    seq = torch.searchsorted(kvp, j, right=True) - 1  # sequence of every entry
+    pos = j - kvp[seq]
+    keep = shard_owner(pos, lens[seq], world_size, mode, block) == rank
+    local = kv_indices[lo:hi][keep]
+    positions = pos[keep]
+    counts = torch.bincount(seq[keep], minlength=bs)
+    indptr = torch.zeros(bs + 1, dtype=torch.int32, device=device)
+    indptr[1:] = torch.cumsum(counts, 0)
+    if local.numel() == 0:
+        local = torch.zeros(1, dtype=kv_indices.dtype, device=device)
+    return PrefixShard(indptr, local, positions, counts)
+
+
+def shard_mask(custom_mask: torch.Tensor, mask_indptr: torch.Tensor, qo_indptr: torch.Tensor,
+               kv_indptr: torch.Tensor, shard: PrefixShard) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A tree mask re-laid for a rank's local prefix.
+
+    The kernel reads row ``l`` of sequence ``b``'s mask as ``[prefix keys |
+    draft keys]`` with the *local* call's prefix length ``n_r`` (the draft
+    entry ``j`` at ``mask_indptr[b] + l (n_r + L) + n_r + j``), so the global
+    mask (rows of width ``n + L``) cannot be passed to a shard as it is::
+
+        global row l (width n + L):    [ k_0 k_1 ... k_{n-1}             | d_0 ... d_{L-1} ]
+        local row l (width n_r + L):   [ the n_r keys this rank holds    | d_0 ... d_{L-1} ]
+
+    The local mask keeps, in every row, the global mask's columns of the keys
+    the rank holds (in local order) and the whole draft block. (The split path
+    reads only the draft part; the prefix part is kept so the local mask means
+    what the global one does, restricted to the local keys.)
+
+    Args:
+        custom_mask: the global flat mask (bool/uint8).
+        mask_indptr: ``[bs + 1]`` starts of each sequence's global mask.
+        qo_indptr: ``[bs + 1]`` draft rows of each sequence.
+        kv_indptr: ``[bs + 1]`` *global* prefix ranges (for the global widths).
+        shard: the rank's :class:`PrefixShard` from :func:`shard_prefix`.
+
+    Returns:
+        ``(local_mask, local_mask_indptr)``: same dtype as ``custom_mask``,
+        int64 indptr. Reads lengths on the host (plan time).
+    """
+    device = custom_mask.device
+    i64 = torch.int64
+    qo = qo_indptr.to(device=device, dtype=i64)
+    kvp = kv_indptr.to(device=device, dtype=i64)
+    mp = mask_indptr.to(device=device, dtype=i64)
+    n_draft = qo[1:] - qo[:-1]
+    n_glob = kvp[1:] - kvp[:-1]
+    n_loc = shard.prefix_lens.to(device=device, dtype=i64)
+    loc_ptr = shard.kv_indptr.to(device=device, dtype=i64)
+    positions = shard.positions.to(device)
+    width = n_loc + n_draft
+    sizes = n_draft * width
+    out_ptr = torch.zeros(len(sizes) + 1, dtype=i64, device=device)
+    out_ptr[1:] = torch.cumsum(sizes, 0)
+    total = int(out_ptr[-1])
+    t = torch.arange(total, device=device, dtype=i64)
+    b = torch.searchsorted(out_ptr, t, right=True) - 1
+    rem = t - out_ptr[b]
+    row = torch.div(rem, width[b], rounding_mode="floor")
+    col = rem - row * width[b]
+    in_prefix = col < n_loc[b]
+    pos_idx = torch.where(in_prefix, loc_ptr[b] + col, 0)
+    prefix_col = positions[pos_idx] if positions.numel() else torch.zeros_like(col)
+    glob_col = torch.where(in_prefix, prefix_col, n_glob[b] + col - n_loc[b])
+    src = mp[b] + row * (n_glob[b] + n_draft[b]) + glob_col
+    return custom_mask[src], out_ptr
+
+
+def _dtype_of(t: Optional[torch.Tensor]):
+    return None if t is None else t.dtype
+
+
+def shard_problem(problem, world_size: int, rank: int, mode: str = "chunk", block: Optional[int] = None,
+                  *, local_pool: bool = True, seed: int = 0):
+    """Rank ``rank``'s view of a :class:`~splitkv.testing.VerifyProblem` (tests, notebooks, benchmarks).
+
+    The draft tensors (``q/k/v_extend``, ``qo_indptr``), scales and sinks are
+    shared; the prefix is the rank's shard (:func:`shard_prefix`) and a
+    ``custom_mask`` is re-laid for it (:func:`shard_mask`). With ``local_pool``
+    the rank gets its own pool holding only its keys (at random slots drawn from
+    ``seed + rank``, so gathers stay scattered), as a real rank would; otherwise
+    the local ``kv_indices`` point into the shared global pool.
+
+    Which rank attends the draft block and applies the sinks is
+    :class:`ContextParallelVerify`'s business (``draft_rank``): the returned
+    problem keeps both, and its own oracle (``reference_for``) is attention over
+    the local keys *and* the drafts.
+
+    Returns:
+        A new ``VerifyProblem`` whose ``prefix_lens`` are the local lengths.
+    """
+    p = problem
+    shard = shard_prefix(p.kv_indptr, p.kv_indices, world_size, rank, mode, block)
+    kv_indices = shard.kv_indices
+    k_buffer, v_buffer = p.k_buffer, p.v_buffer
+    n_local = int(shard.kv_indptr[-1])
+    if local_pool:
+        slots = shard.kv_indices[:n_local].long()
+        pool = max(n_local, 1)
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(seed + rank)
+        order = torch.randperm(pool, generator=gen)[:n_local].to(p.k_buffer.device)
+        k_buffer = torch.zeros((pool,) + tuple(p.k_buffer.shape[1:]), dtype=p.k_buffer.dtype, device=p.k_buffer.device)
+        v_buffer = torch.zeros((pool,) + tuple(p.v_buffer.shape[1:]), dtype=p.v_buffer.dtype, device=p.v_buffer.device)
+        k_buffer[order] = p.k_buffer[slots]
+        v_buffer[order] = p.v_buffer[slots]
+        kv_indices = order.to(p.kv_indices.dtype) if n_local else torch.zeros(1, dtype=p.kv_indices.dtype,
+                                                                              device=p.kv_indices.device)
+    custom_mask, mask_indptr = p.custom_mask, p.mask_indptr
+    if custom_mask is not None:
+        custom_mask, mask_indptr = shard_mask(custom_mask, mask_indptr, p.qo_indptr, p.kv_indptr, shard)
+        mask_indptr = mask_indptr.to(_dtype_of(p.mask_indptr))
+    return p.replace(k_buffer=k_buffer, v_buffer=v_buffer, kv_indptr=shard.kv_indptr.to(p.kv_indptr.dtype),
+                     kv_indices=kv_indices, custom_mask=custom_mask, mask_indptr=mask_indptr,
+                     prefix_lens=[int(x) for x in shard.prefix_lens.tolist()])
+
+
+# ---- The context-parallel runner -----------------------------------------------------------------
+
+
+def _group_info(group) -> Tuple[int, int]:
+    """``(rank, world_size)`` in ``group``; ``(0, 1)`` without an initialised process group."""
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialised")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _merging_ranks(dst: DstType, world_size: int) -> Tuple[int, ...]:
+    if dst is None:
+        return tuple(range(world_size))
+    ranks = (int(dst),) if isinstance(dst, int) else tuple(sorted({int(r) for r in dst}))
+    if not ranks or any(not 0 <= r < world_size for r in ranks):
+        raise ValueError(f"dst must name ranks in [0, {world_size}), got {dst!r}")
+    return ranks
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """``all_gather_into_tensor`` (``all_gather_single`` where torch renamed it)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def _round16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+class ContextParallelVerify:
+    """Context-parallel split-KV verify attention for one head configuration.
+
+    Every rank of ``group`` builds one with the same arguments. Each rank's
+    plan/run takes its *local* prefix metadata (``kv_indptr``/``kv_indices``
+    into its own pool, e.g. from :func:`shard_prefix`) and the same draft
+    tensors as every other rank; the output on every merging rank is attention
+    over the whole prefix and the drafts.
+
+    Args:
+        num_q_heads, num_kv_heads, head_dim, v_head_dim, max_len_extend, max_bs,
+        device: as for :class:`splitkv.VerifySplitKV`.
+        group: the process group sharing the prefix (default: the default group;
+            without an initialised ``torch.distributed``, a world of one rank).
+        draft_rank: the rank that attends the draft block and applies the sinks.
+        dst: ranks that need the output: ``None`` (all), a rank, or a sequence
+            of ranks. Every rank takes part in the all-gather; only these merge.
+        partial_dtype: dtype of the exchanged partial outputs (default: the
+            output's; ``torch.float32`` doubles the bytes exchanged for one
+            rounding less). LSEs are always float32.
+        **runner_kwargs: passed to :class:`splitkv.VerifySplitKV` (``n_splits``,
+            ``split_tokens``, ``config``, ``num_sms``, ...).
+    """
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
+                 max_len_extend: int, max_bs: int, device="cuda", *, group=None, draft_rank: int = 0,
+                 dst: DstType = None, partial_dtype: Optional[torch.dtype] = None, **runner_kwargs):
+        self.group = group
+        self.rank, self.world_size = _group_info(group)
+        if not 0 <= draft_rank < self.world_size:
+            raise ValueError(f"draft_rank {draft_rank} is not a rank of a world of {self.world_size}")
+        self.draft_rank = int(draft_rank)
+        self.merging_ranks = _merging_ranks(dst, self.world_size)
+        self.partial_dtype = partial_dtype
+        self.runner = VerifySplitKV(num_q_heads, num_kv_heads, head_dim, v_head_dim, max_len_extend, max_bs,
+                                    device, **runner_kwargs)
+
+    @property
+    def owns_draft(self) -> bool:
+        """Whether this rank attends the draft block (and the sinks)."""
+        return self.rank == self.draft_rank
+
+    @property
+    def merges(self) -> bool:
+        """Whether this rank merges (its runs return the output)."""
+        return self.rank in self.merging_ranks
+
+    def plan(
+        self,
+        q_extend, k_extend, v_extend, k_buffer, v_buffer,
+        qo_indptr, kv_indptr, kv_indices,
+        custom_mask=None, mask_indptr=None, is_causal=True, *,
+        sm_scale: Optional[float] = None, k_scale: float = 1.0, v_scale: float = 1.0,
+        sinks=None, return_lse: bool = False, check: bool = False,
+    ) -> "ContextParallelPlan":
+        """Plan one step on this rank (every rank of the group calls it).
+
+        Args:
+            q_extend, k_extend, v_extend: the draft tensors, the same on every rank.
+            k_buffer, v_buffer: this rank's token pool.
+            qo_indptr: ``[bs + 1]`` draft rows, the same on every rank.
+            kv_indptr, kv_indices: this rank's shard of the prefixes (local pool slots).
+            custom_mask, mask_indptr: on ``draft_rank``, the tree mask laid out
+                for the *local* prefix lengths (:func:`shard_mask`); ignored elsewhere.
+            is_causal: draft-block visibility without a mask (``draft_rank``).
+            sm_scale, k_scale, v_scale: as for :meth:`splitkv.VerifySplitKV.plan`.
+            sinks: ``[H_Q]`` sink logits (may be given on every rank; applied on
+                ``draft_rank`` only).
+            return_lse: runs also return the merged natural-log LSE (sinks included).
+            check: validate metadata values and that every rank planned the same
+                draft shapes (reads the device and talks to the group: not under
+                graph capture).
+
+        Returns:
+            The :class:`ContextParallelPlan`.
+
+        Raises:
+            ValueError: on malformed input, or (checked) ranks that disagree.
+            NotImplementedError: for calls the split path declines (bf16 under
+                the interpreter, more than 64 drafts per sequence, ...).
+        """
+        draft = self.owns_draft
+        if not draft:
+            custom_mask = mask_indptr = sinks = None
+        if kv_indices.numel() == 0:  # an empty shard: never hand the kernel a null pointer
+            kv_indices = torch.zeros(1, dtype=kv_indices.dtype, device=kv_indices.device)
+        reason = decline_reason(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+                                custom_mask, is_causal, mask_indptr, self.runner.max_len_extend, sinks=sinks,
+                                k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale, max_bs=self.runner.max_bs,
+                                split_tokens=self.runner.split_tokens)
+        if reason is not None:
+            if reason.startswith("malformed input"):
+                raise ValueError(reason)
+            raise NotImplementedError(f"the split path declines this call: {reason}")
+        local = self.runner.plan(
+            q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+            custom_mask, mask_indptr, is_causal, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
+            sinks=sinks, return_lse=True, attend_draft=draft, check=check,
+        )
+        return ContextParallelPlan(self, local, return_lse=return_lse, check=check)
+
+    def __call__(self, q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr,
+                 kv_indices, custom_mask=None, mask_indptr=None, is_causal=True, **kwargs):
+        """Plan and run in one go; returns what :meth:`ContextParallelPlan.run` does."""
+        plan = self.plan(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+                         custom_mask, mask_indptr, is_causal, **kwargs)
+        return plan.run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out=o_extend)
+
+
+class ContextParallelPlan:
+    """One step's context-parallel launch on one rank; :meth:`run` runs it for a layer.
+
+    Made by :meth:`ContextParallelVerify.plan`. Holds the local
+    :class:`~splitkv.VerifyPlan` and the exchange buffers, allocated once:
+
+    * ``send``: this rank's partial output ``[tokens, H_Q, Dv]`` (``partial_dtype``)
+      then its LSE ``[tokens, H_Q]`` (float32), in one byte buffer (each part
+      16-byte aligned), written directly by the kernel;
+    * ``recv``: ``world_size`` such rows, filled by the all-gather.
+
+    The buffers are reused by every run (every layer): do not run one plan on
+    two streams at once. Rows past ``qo_indptr[-1]`` (a padded graph batch) are
+    merged too, from whatever the send buffer holds there (the empty state,
+    output 0, until a run writes them).
+
+    Attributes:
+        local: the rank's :class:`~splitkv.VerifyPlan` (``attend_draft`` on
+            ``draft_rank`` only).
+        rank, world_size: this rank and the group's size.
+        merges: whether :meth:`run` merges and returns the output here.
+        comm_bytes: bytes this rank contributes to the all-gather.
+    """
+
+    def __init__(self, cp: ContextParallelVerify, local: VerifyPlan, *, return_lse: bool, check: bool):
+        self.cp = cp
+        self.local = local
+        self.group = cp.group
+        self.rank, self.world_size = cp.rank, cp.world_size
+        self.merges = cp.merges
+        self.return_lse = return_lse
+        n_tok, h_q, dv = local.out_shape
+        self.out_shape = local.out_shape
+        self.dtype = local.dtype
+        self.device = local.device
+        pdt = cp.partial_dtype or local.dtype
+        self.partial_dtype = pdt
+        esize = torch.empty((), dtype=pdt).element_size()
+        self._o_bytes = _round16(n_tok * h_q * dv * esize)
+        lse_bytes = _round16(n_tok * h_q * 4)
+        self.comm_bytes = self._o_bytes + lse_bytes
+        w = self.world_size
+        if w > 1:
+            if check:
+                self._check_ranks_agree()
+            self.send = torch.empty(self.comm_bytes, dtype=torch.uint8, device=self.device)
+            self.recv = torch.empty(w * self.comm_bytes, dtype=torch.uint8, device=self.device)
+            self.part_o, self.part_lse = self._views(self.send.view(1, -1))
+            self.part_o, self.part_lse = self.part_o[:, 0], self.part_lse[:, 0]
+            self.part_o.zero_()
+            self.part_lse.fill_(float("-inf"))  # unwritten rows: the empty state
+            self.recv_o, self.recv_lse = self._views(self.recv.view(w, -1))
+        else:
+            self.send = self.recv = None
+        # The merged LSE always has somewhere to go; without return_lse, here (not a per-run allocation).
+        self._lse_scratch = torch.empty(n_tok, h_q, dtype=torch.float32, device=self.device)
+
+    def _views(self, rows: torch.Tensor):
+        """``[tokens, n, H, Dv]`` partial outputs and ``[tokens, n, H]`` LSEs of byte rows ``[n, bytes]``."""
+        n_tok, h_q, dv = self.out_shape
+        n = rows.shape[0]
+        o = rows[:, : n_tok * h_q * dv * torch.empty((), dtype=self.partial_dtype).element_size()]
+        o = o.view(self.partial_dtype).view(n, n_tok, h_q, dv).permute(1, 0, 2, 3)
+        lse = rows[:, self._o_bytes: self._o_bytes + n_tok * h_q * 4].view(torch.float32)
+        lse = lse.view(n, n_tok, h_q).permute(1, 0, 2)
+        return o, lse
+
+    def _check_ranks_agree(self) -> None:
+        mine = (tuple(self.out_shape), str(self.partial_dtype), self.local.batch_size, self.comm_bytes)
+        every = [None] * self.world_size
+        dist.all_gather_object(every, mine, group=self.group)
+        if any(x != mine for x in every):
+            raise ValueError(f"ranks planned different draft shapes (tokens, heads, dims, dtype, batch, bytes): "
+                             f"{every}")
+
+    def rebind(self, qo_indptr, kv_indptr, kv_indices, custom_mask=None, mask_indptr=None, sinks=None) -> None:
+        """Point the plan at another step's metadata of the same signature (see :meth:`splitkv.VerifyPlan.rebind`)."""
+        if not self.cp.owns_draft:
+            custom_mask = mask_indptr = sinks = None
+        if kv_indices.numel() == 0:
+            kv_indices = torch.zeros(1, dtype=kv_indices.dtype, device=kv_indices.device)
+        self.local.rebind(qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sinks)
+
+    # The three stages, separately (the benchmark times them one by one).
+
+    def run_local(self, q_extend, k_extend, v_extend, k_buffer, v_buffer) -> None:
+        """Stage 1: the local split-KV kernel, writing this rank's partial state into the send buffer."""
+        self.local.run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out=self.part_o, lse=self.part_lse)
+
+    def exchange(self) -> None:
+        """Stage 2: all-gather every rank's partial state into the receive buffer."""
+        _all_gather(self.recv, self.send, self.group)
+
+    def merge(self, out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None):
+        """Stage 3: merge the gathered states (:func:`splitkv.merge_states`); returns ``(out, lse)``."""
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        return merge_states(self.recv_o, self.recv_lse, out=out, out_lse=self._lse_scratch if lse is None else lse)
+
+    def run(self, q_extend, k_extend, v_extend, k_buffer, v_buffer, out=None, lse=None):
+        """Run the step for one layer's tensors (same shapes, dtypes and strides as planned).
+
+        Every rank of the group must call it (it holds a collective).
+
+        Args:
+            q_extend, k_extend, v_extend: the layer's draft tensors.
+            k_buffer, v_buffer: the layer's local pool.
+            out: ``[tokens, H_Q, Dv]`` output on merging ranks (default: new).
+            lse: ``[tokens, H_Q]`` float32 for the merged LSE (default: new, with ``return_lse``).
+
+        Returns:
+            On merging ranks ``out``, or ``(out, lse)`` with ``return_lse``; ``None`` elsewhere.
+        """
+        if self.world_size > 1:
+            self.run_local(q_extend, k_extend, v_extend, k_buffer, v_buffer)
+            self.exchange()
+            if not self.merges:
+                return None
+        if lse is None:
+            lse = (torch.empty(self.out_shape[:2], dtype=torch.float32, device=self.device) if self.return_lse
+                   else self._lse_scratch)
+        if self.world_size == 1:  # nothing to exchange: the local call is the whole step
+            out, lse = self.local.run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out=out, lse=lse)
+        else:
+            out, lse = self.merge(out, lse)
+        return (out, lse) if self.return_lse else out
+
+
+# ---- One call ------------------------------------------------------------------------------------
+
+_CP_RUNNERS: dict = {}
+_CP_PLANS: "OrderedDict[tuple, ContextParallelPlan]" = OrderedDict()
+CP_PLAN_CACHE_SIZE = 128
+
+
+def clear_cp_caches() -> None:
+    """Drop :func:`cp_verify_attention`'s cached runners and plans."""
+    _CP_RUNNERS.clear()
+    _CP_PLANS.clear()
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def cp_verify_attention(
+    q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
+    qo_indptr, kv_indptr, kv_indices, custom_mask, is_causal, mask_indptr, max_len_extend,
+    k_scale=1.0, v_scale=1.0, sm_scale=None, sinks=None, *,
+    group=None, draft_rank: int = 0, dst: DstType = None, return_lse: bool = False,
+    max_bs: Optional[int] = None, split_tokens: Optional[int] = None, check: Optional[bool] = None,
+):
+    """Context-parallel verify attention in one call (every rank of ``group`` calls it).
+
+    The arguments of :func:`splitkv.verify_attention`, with this rank's prefix
+    shard in ``k_buffer``/``v_buffer``/``kv_indptr``/``kv_indices`` (and, on
+    ``draft_rank``, the mask laid out for it: :func:`shard_mask`). Plans are
+    cached by signature (shapes, strides, dtypes, scalars; not ``kv_indices``'
+    length), so a repeated call only rebinds metadata, runs the kernel, the
+    all-gather and the merge: graph-capturable once a call of the signature has
+    run eagerly.
+
+    Args:
+        group, draft_rank, dst: see :class:`ContextParallelVerify`.
+        return_lse: also return the merged natural-log LSE.
+        max_bs: largest batch of this shape (default: this batch).
+        split_tokens: fixed slice length (batch-invariant mode), see
+            :class:`splitkv.VerifySplitKV`.
+        check: validate metadata values (default ``SPLITKV_CHECK``; skipped
+            under graph capture).
+
+    Returns:
+        On merging ranks ``o_extend`` (new if ``None``) or ``(o, lse)``; ``None`` elsewhere.
+    """
+    rank, world = _group_info(group)
+    dims = check_verify_inputs(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr,
+                               kv_indices, custom_mask if rank == draft_rank else None,
+                               mask_indptr if rank == draft_rank else None, max_len_extend, sinks)
+    if check is None:
+        check = os.environ.get("SPLITKV_CHECK", "0") not in ("", "0")
+    check = bool(check) and not _capturing()
+    bs = dims.batch_size
+    max_bs = max(max_bs or 1, bs)
+    rkey = (id(group), rank, world, str(q_extend.device), dims.num_q_heads, dims.num_kv_heads, dims.head_dim,
+            dims.v_head_dim, int(max_len_extend), split_tokens, draft_rank,
+            None if dst is None else (dst if isinstance(dst, int) else tuple(dst)))
+    cp = _CP_RUNNERS.get(rkey)
+    if cp is None:
+        cp = _CP_RUNNERS[rkey] = ContextParallelVerify(
+            dims.num_q_heads, dims.num_kv_heads, dims.head_dim, dims.v_head_dim, int(max_len_extend), max_bs,
+            q_extend.device, group=group, draft_rank=draft_rank, dst=dst, split_tokens=split_tokens)
+    cp.runner.max_bs = max(cp.runner.max_bs, max_bs)
+    use_mask = custom_mask is not None and rank == draft_rank
+    t = (q_extend, k_extend, v_extend, k_buffer, v_buffer)
+    key = (rkey, tuple(x.shape for x in t), tuple(x.stride() for x in t), tuple(x.dtype for x in t),
+           qo_indptr.shape, qo_indptr.dtype, kv_indptr.dtype, kv_indices.dtype, use_mask,
+           None if not use_mask else (custom_mask.dtype, mask_indptr.dtype),
+           None if sinks is None else (sinks.dtype,), bool(is_causal), float(k_scale), float(v_scale),
+           sm_scale, return_lse)
+    plan = _CP_PLANS.get(key)
+    if plan is not None:
+        _CP_PLANS.move_to_end(key)
+        plan.rebind(qo_indptr, kv_indptr, kv_indices, custom_mask if use_mask else None,
+                    mask_indptr if use_mask else None, sinks)
+        if check:
+            check_verify_values(qo_indptr, kv_indptr, kv_indices, k_buffer.shape[0], int(max_len_extend),
+                                custom_mask if use_mask else None, mask_indptr if use_mask else None,
+                                num_tokens=dims.num_tokens)
+    else:
+        plan = cp.plan(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+                       custom_mask, mask_indptr, is_causal, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
+                       sinks=sinks, return_lse=return_lse, check=check)
+        _CP_PLANS[key] = plan
+        if len(_CP_PLANS) > CP_PLAN_CACHE_SIZE:
+            _CP_PLANS.popitem(last=False)
+    if o_extend is None and plan.merges:
+        o_extend = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
+    return plan.run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out=o_extend)
+
+
+# ---- A world in one process (tests, notebooks) ---------------------------------------------------
+
+
+def simulate_context_parallel(problem, world_size: int, mode: str = "chunk", block: Optional[int] = None, *,
+                              draft_rank: int = 0, n_splits: Optional[int] = None, return_partials: bool = False):
+    """Every rank's step run in this process, one after another, then merged.
+
+    The same computation as a real world (:func:`shard_problem` per rank, the
+    split-KV kernel with ``attend_draft`` and sinks on ``draft_rank`` only,
+    :func:`splitkv.merge_states` over the ranks' states), without
+    ``torch.distributed``: what the cross-GPU merge does, on one device.
+
+    Args:
+        problem: a :class:`~splitkv.testing.VerifyProblem`.
+        world_size, mode, block: the sharding (:func:`shard_prefix`).
+        draft_rank: the rank attending the draft block.
+        n_splits: force the kernel's prefix slices (default: the chooser's).
+        return_partials: also return the per-rank states.
+
+    Returns:
+        ``(out, lse)`` merged; with ``return_partials`` also ``(o_parts
+        [tokens, W, H, Dv], lse_parts [tokens, W, H])``.
+    """
+    p = problem
+    o_parts, s_parts = [], []
+    for rank in range(world_size):
+        lp = shard_problem(p, world_size, rank, mode, block)
+        runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
+                               p.batch_size, p.q_extend.device, n_splits=n_splits)
+        draft = rank == draft_rank
+        plan = runner.plan(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer, lp.qo_indptr,
+                           lp.kv_indptr, lp.kv_indices, lp.custom_mask if draft else None,
+                           lp.mask_indptr if draft else None, lp.is_causal, sm_scale=lp.sm_scale,
+                           k_scale=lp.k_scale, v_scale=lp.v_scale, sinks=lp.sinks if draft else None,
+                           return_lse=True, attend_draft=draft, check=True)
+        o, s = plan.run(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer)
+        o_parts.append(o)
+        s_parts.append(s)
+    o_all, s_all = torch.stack(o_parts, 1), torch.stack(s_parts, 1)
+    out, lse = merge_states(o_all, s_all)
+    return (out, lse, o_all, s_all) if return_partials else (out, lse)
+
+
+# ---- Local worlds: spawned processes joined by gloo on 127.0.0.1 ---------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _local_main() -> None:
+    """Entry of a :func:`launch_local` process: ``python -c ... <job dir> <rank>``."""
+    import importlib
+    import sys
+
+    job_dir, rank = sys.argv[1], int(sys.argv[2])
+    path = os.path.join(job_dir, f"rank{rank}.pt")
+    try:
+        job = torch.load(os.path.join(job_dir, "job.pt"), weights_only=False)
+        module, _, name = job["fn"].partition(":")
+        fn = importlib.import_module(module)
+        for part in name.split("."):
+            fn = getattr(fn, part)
+        torch.set_num_threads(1)
+        dist.init_process_group(job["backend"], init_method=f"tcp://127.0.0.1:{job['port']}", rank=rank,
+                                world_size=job["world_size"], timeout=timedelta(seconds=job["timeout_s"]))
+        try:
+            result = fn(rank, job["world_size"], *job["args"])
+        finally:
+            dist.destroy_process_group()
+        torch.save({"ok": True, "result": result}, path)
+    except BaseException:  # report any failure to the parent, then exit non-zero
+        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+        sys.exit(1)
+
+
+def _loopback_ifname() -> Optional[str]:
+    names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def launch_local(fn: Callable, world_size: int = 2, *args, backend: str = "gloo", timeout_s: float = 180.0,
+                 env: Optional[dict] = None) -> list:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined by a process group.
+
+    For CPU tests and notebooks: each rank is a new Python process (a
+    subprocess, so this works the same from a script, a notebook or pytest),
+    joins a ``gloo`` group through ``tcp://127.0.0.1:<free port>`` with gloo's
+    sockets on the loopback interface, runs ``fn`` and returns its result
+    (saved with ``torch.save``). Under the Triton interpreter keep shapes small:
+    each process runs on one thread.
+
+    Args:
+        fn: a module-level function of an importable module (not one defined
+            in a notebook cell or ``__main__``).
+        world_size: processes.
+        *args: passed to ``fn`` after ``rank, world_size`` (picklable).
+        backend: the process-group backend.
+        timeout_s: the whole run's deadline (and the group's collective timeout).
+        env: extra environment variables for the processes (e.g.
+            ``{"TRITON_INTERPRET": "1"}`` to run CPU tensors through the
+            interpreter on a machine that has a GPU).
+
+    Returns:
+        ``fn``'s results, by rank.
+
+    Raises:
+        RuntimeError: a rank failed (its traceback and output included) or timed out.
+    """
+    import subprocess
+    import sys
+
+    if dist is None or not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this build")
+    module = getattr(fn, "__module__", None)
+    if not module or module == "__main__" or "<locals>" in fn.__qualname__:
+        raise ValueError("launch_local needs a module-level function of an importable module")
+    child_env = dict(os.environ)
+    child_env.update({k: str(v) for k, v in (env or {}).items()})
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout holding splitkv/
+    child_env["PYTHONPATH"] = os.pathsep.join([root] + [x for x in [child_env.get("PYTHONPATH")] if x])
+    ifname = _loopback_ifname()
+    if ifname and "GLOO_SOCKET_IFNAME" not in child_env:
+        child_env["GLOO_SOCKET_IFNAME"] = ifname
+    with tempfile.TemporaryDirectory(prefix="splitkv_cp_") as job_dir:
+        torch.save(dict(fn=f"{module}:{fn.__qualname__}", args=tuple(args), backend=backend,
+                        port=_free_port(), world_size=world_size, timeout_s=timeout_s),
+                   os.path.join(job_dir, "job.pt"))
+        logs = [open(os.path.join(job_dir, f"rank{r}.log"), "w+") for r in range(world_size)]
+        code = "import splitkv.parallel as m; m._local_main()"
+        procs = [subprocess.Popen([sys.executable, "-c", code, job_dir, str(r)], env=child_env,
+                                  stdout=logs[r], stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                 for r in range(world_size)]
+        deadline = time.monotonic() + timeout_s
+        hung = []
+        for r, proc in enumerate(procs):
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                hung.append(r)
+        for r in hung:  # our own children, by handle
+            procs[r].kill()
+            procs[r].wait()
+        results, errors = [], []
+        for r in range(world_size):
+            logs[r].seek(0)
+            output = logs[r].read()[-4000:]
+            logs[r].close()
+            path = os.path.join(job_dir, f"rank{r}.pt")
+            rec = torch.load(path, weights_only=False) if os.path.exists(path) else None
+            if rec is not None and rec["ok"]:
+                results.append(rec["result"])
+                continue
+            results.append(None)
+            why = ("killed at the deadline" if r in hung else f"exit code {procs[r].returncode}")
+            errors.append(f"rank {r} failed ({why}):\n{rec['error'] if rec else ''}\n--- output ---\n{output}")
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return results
+
+
+def run_cases(rank: int, world_size: int, cases: Sequence[dict]) -> List[dict]:
+    """A rank's side of context-parallel checks: build, shard, run, return (for :func:`launch_local`).
+
+    Each case is a dict:
+
+    * ``problem``: keyword arguments of :func:`splitkv.testing.make_problem`
+      (with a ``seed``: every rank draws the same global problem);
+    * ``mode``, ``block``: the sharding (default ``"chunk"``);
+    * ``draft_rank`` (default 0), ``dst`` (default ``None``), ``partial_dtype``;
+    * ``entry``: ``"plan"`` (:class:`ContextParallelVerify` plan/run, run
+      twice to reuse the plan) or ``"function"`` (:func:`cp_verify_attention`);
+    * ``n_splits``: force the local kernel's slices.
+
+    Returns:
+        Per case: ``out`` and ``lse`` (``None`` on ranks that do not merge),
+        the rank's partial ``part_lse``, and ``local_prefix_lens``.
+    """
+    from .testing import make_problem
+
+    results = []
+    for case in cases:
+        p = make_problem(**case["problem"])
+        lp = shard_problem(p, world_size, rank, case.get("mode", "chunk"), case.get("block"))
+        draft_rank, dst = case.get("draft_rank", 0), case.get("dst")
+        part_lse = None
+        if case.get("entry", "plan") == "plan":
+            cp = ContextParallelVerify(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
+                                       p.batch_size, p.q_extend.device, draft_rank=draft_rank, dst=dst,
+                                       partial_dtype=case.get("partial_dtype"), n_splits=case.get("n_splits"))
+            plan = cp.plan(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer, lp.qo_indptr,
+                           lp.kv_indptr, lp.kv_indices, lp.custom_mask, lp.mask_indptr, lp.is_causal,
+                           sm_scale=lp.sm_scale, k_scale=lp.k_scale, v_scale=lp.v_scale, sinks=lp.sinks,
+                           return_lse=True, check=True)
+            res = None
+            for _ in range(2):  # the second run reuses the plan and its buffers
+                res = plan.run(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer,
+                               out=lp.new_output() if plan.merges else None)
+            part_lse = plan.part_lse.clone() if plan.world_size > 1 else None
+        else:
+            res = cp_verify_attention(*lp.args(lp.new_output()), sm_scale=lp.sm_scale, sinks=lp.sinks,
+                                      draft_rank=draft_rank, dst=dst, return_lse=True, check=True)
+        out, lse = res if res is not None else (None, None)
+        results.append(dict(out=out, lse=lse, part_lse=part_lse, local_prefix_lens=lp.prefix_lens))
+    return results

@@ -1,0 +1,177 @@
+"""``python -m splitkv.tune``: the GPU sweep behind ``splitkv/tuned_h200.json``.
+
+Two sweeps, both timed as CUDA-graph replays with ``triton.testing.do_bench``
+(median, L2 flushed), bf16 queries, 4 draft tokens, random ``kv_indices``:
+
+1. Tiles. For each labelled model's head shape and each pool dtype (bf16,
+   fp8 e4m3) at batch 8, prefix 16k (a bandwidth-bound shape), every
+   ``BLOCK_N x warps x stages`` in the grid below; the fastest is kept, with
+   the programs per SM that its compiled kernel's registers and shared memory
+   allow (the split chooser's ``programs_per_sm``).
+2. Slice length. With those tiles, the shortest slice the adaptive chooser
+   may use (``min_split_tokens``), at the small shapes where it matters
+   (batch 1 and 8, prefixes 4k and 16k, the three models); the value with the
+   lowest geometric-mean time wins.
+
+Every measurement is written to the table's ``sweep`` lists, so the choice
+can be checked. Takes about two minutes on an H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import time
+
+import torch
+
+from . import tuning
+from .kernel import TileConfig, block_m_for, rows_per_tile
+from .runner import VerifySplitKV
+from .testing import MODEL_SHAPES, make_problem
+
+BLOCK_NS = (32, 64, 128)
+WARPS = (4, 8)
+STAGES = (2, 3)
+MIN_SPLITS = (64, 128, 256, 512)
+KV_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+def graph_time_us(fn) -> float:
+    """Median µs of CUDA-graph replays of ``fn`` (warmed up outside capture)."""
+    import triton.testing
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return 1e3 * triton.testing.do_bench(graph.replay, warmup=5, rep=30, return_mode="median")
+
+
+def programs_per_sm_of(kernel, num_warps: int) -> int:
+    """Programs one SM holds, from a compiled kernel's registers and shared memory."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    smem_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    regs = max(1, kernel.n_regs) * 32 * num_warps
+    by_regs = 65536 // regs
+    by_smem = smem_sm // max(1, kernel.metadata.shared)
+    by_threads = 2048 // (32 * num_warps)
+    return max(1, min(by_regs, by_smem, by_threads, 32))
+
+
+def _problem(model, bs, prefix, kv_dtype):
+    s = MODEL_SHAPES[model]
+    scales = dict(k_scale=0.5, v_scale=2.0) if kv_dtype != torch.bfloat16 else {}
+    return make_problem([prefix] * bs, 4, s.num_q_heads, s.num_kv_heads, s.head_dim, dtype=torch.bfloat16,
+                        kv_dtype=kv_dtype, device="cuda", pool_factor=1.25, seed=0, **scales)
+
+
+def _timed_plan(p, **runner_kwargs):
+    runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
+                           p.batch_size, "cuda", **runner_kwargs)
+    plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr,
+                       p.kv_indptr, p.kv_indices, p.custom_mask, p.mask_indptr, p.is_causal,
+                       sm_scale=p.sm_scale, k_scale=p.k_scale, v_scale=p.v_scale)
+    out = p.new_output()
+    run = lambda: plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=out)  # noqa: E731
+    return plan, run
+
+
+def sweep_tiles(log):
+    rows, sweep = [], []
+    for model, s in MODEL_SHAPES.items():
+        block_m = block_m_for(rows_per_tile(s.group, 4))
+        for kv_name, kv_dtype in KV_DTYPES.items():
+            p = _problem(model, 8, 16384, kv_dtype)
+            best = None
+            for bn in BLOCK_NS:
+                if bn * s.head_dim > 128 * 128:
+                    continue  # K and V tiles past the register file: spills
+                for warps in WARPS:
+                    for stages in STAGES:
+                        cfg = TileConfig(block_m, bn, warps, stages)
+                        try:
+                            plan, run = _timed_plan(p, config=cfg)
+                            us = graph_time_us(run)
+                            args_kernel = next(iter(plan._launch._compiled.values()), None)
+                        except Exception as err:  # out of resources: not a candidate
+                            log(f"{model} {kv_name} {cfg}: {type(err).__name__}")
+                            continue
+                        pps = programs_per_sm_of(args_kernel, warps) if args_kernel is not None else 1
+                        rec = dict(model=model, kv_dtype=kv_name, block_n=bn, num_warps=warps, num_stages=stages,
+                                   us=us, n_regs=args_kernel.n_regs, n_spills=args_kernel.n_spills,
+                                   shared=args_kernel.metadata.shared, programs_per_sm=pps)
+                        sweep.append(rec)
+                        log(f"{model:>10} {kv_name:>13} BLOCK_N {bn:>3} warps {warps} stages {stages}: "
+                            f"{us:8.1f} us  regs {rec['n_regs']} spills {rec['n_spills']} -> {pps}/SM")
+                        if best is None or us < best["us"]:
+                            best = rec
+            rows.append(dict(head_dim=s.head_dim, block_m=block_m, kv_bytes=1 if "float8" in kv_name else 2,
+                             block_n=best["block_n"], num_warps=best["num_warps"], num_stages=best["num_stages"],
+                             programs_per_sm=best["programs_per_sm"], from_model=model, us=best["us"]))
+            del p
+    return rows, sweep
+
+
+def sweep_min_split(log):
+    results = {}
+    sweep = []
+    for ms in MIN_SPLITS:
+        tuning.TUNED["min_split_tokens"] = ms
+        logs = []
+        for model in MODEL_SHAPES:
+            for bs, prefix in ((1, 4096), (1, 16384), (8, 4096), (8, 16384)):
+                p = _problem(model, bs, prefix, torch.bfloat16)
+                plan, run = _timed_plan(p)
+                us = graph_time_us(run)
+                sweep.append(dict(min_split_tokens=ms, model=model, batch=bs, prefix=prefix, us=us,
+                                  n_splits=plan.n_splits))
+                logs.append(math.log(us))
+                log(f"min_split {ms:>4} {model:>10} bs {bs} prefix {prefix:>6}: {us:7.1f} us "
+                    f"({plan.n_splits} slices)")
+        results[ms] = math.exp(sum(logs) / len(logs))
+    best = min(results, key=results.get)
+    return best, results, sweep
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m splitkv.tune", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=tuning.TABLE_PATH, help="table to write (default: the package's)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the sweep needs a CUDA GPU")
+    import triton
+
+    start = time.time()
+    log = lambda msg: print(f"[{time.time() - start:6.1f}s] {msg}", flush=True)  # noqa: E731
+    tiles, tile_sweep = sweep_tiles(log)
+    tuning.TUNED["tiles"] = {(r["head_dim"], r["block_m"], r["kv_bytes"]): r for r in tiles}
+    tuning._nearest.cache_clear()
+    best_ms, by_ms, split_sweep = sweep_min_split(log)
+    table = dict(
+        source="python -m splitkv.tune",
+        device=torch.cuda.get_device_name(),
+        num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+        date=datetime.date.today().isoformat(),
+        torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+        min_split_tokens=best_ms,
+        min_split_geomean_us={str(k): v for k, v in by_ms.items()},
+        tiles=tiles,
+        tile_sweep=tile_sweep,
+        split_sweep=split_sweep,
+    )
+    with open(args.out, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    log(f"wrote {args.out}: min_split_tokens {best_ms}; tiles {[(r['from_model'], r['kv_bytes'], r['block_n'], r['num_warps'], r['num_stages']) for r in tiles]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,404 @@
+"""The benchmark's CPU-testable pieces: the gather-floor kernel and its search,
+the GPU tag, the row assembly (fake timers), the tables, the plots and the CLI."""
+
+import copy
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import DEVICE
+
+from splitkv import bench, floor
+from splitkv.floor import FloorConfig, gather_sum, search_gather_floor
+from splitkv.testing import make_problem
+
+
+# ---- The gather-floor kernel ---------------------------------------------------------------------
+
+def _pools(dtype, n_tokens=97, pool=300, h_kv=2, d=64, dv=64, index_dtype=torch.int64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(pool, h_kv, d, generator=g).to(device=DEVICE, dtype=dtype)
+    v = torch.randn(pool, h_kv, dv, generator=g).to(device=DEVICE, dtype=dtype)
+    idx = torch.randperm(pool, generator=g)[:n_tokens].to(device=DEVICE, dtype=index_dtype)
+    return k, v, idx
+
+
+def _reference_partials(k, v, idx, tokens_per_program):
+    """Per-program sums in float64: program (chunk c, head h) at h * n_chunks + c."""
+    rows_k, rows_v = k[idx.long()].double(), v[idx.long()].double()
+    chunks = torch.split(torch.arange(idx.shape[0]), tokens_per_program)
+    return torch.stack([
+        rows_k[c, h].sum() + rows_v[c, h].sum() for h in range(k.shape[1]) for c in chunks
+    ])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("config", [FloorConfig(16, 32, 4, 1), FloorConfig(32, 64, 2, 3), FloorConfig(64, 512)],
+                         ids=["16x32", "32x64", "64x512"])
+def test_gather_sum_matches_torch(dtype, config):
+    """97 tokens (a partial last tile and chunk), random slots, 2 KV heads, head_dim 64."""
+    k, v, idx = _pools(dtype)
+    out = gather_sum(k, v, idx, config)
+    ref = _reference_partials(k, v, idx, config.tokens_per_program)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    scale = (k[idx.long()].double().abs().sum() + v[idx.long()].double().abs().sum()).item()
+    assert torch.allclose(out.double().cpu(), ref.cpu(), rtol=0, atol=1e-6 * scale)
+    assert abs(out.double().sum().item() - ref.sum().item()) < 1e-6 * scale
+
+
+def test_gather_sum_odd_head_dims_int32_fp8():
+    """Non-power-of-two head dims (masked columns), int32 slots and an fp8 pool."""
+    k, v, idx = _pools(torch.float16, n_tokens=45, h_kv=3, d=40, dv=24, index_dtype=torch.int32, seed=1)
+    ref = _reference_partials(k, v, idx, 32)
+    assert torch.allclose(gather_sum(k, v, idx, FloorConfig(16, 32)).double().cpu(), ref.cpu(), atol=1e-3)
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    ref8 = _reference_partials(k8.float(), v8.float(), idx, 32)
+    assert torch.allclose(gather_sum(k8, v8, idx, FloorConfig(16, 32)).double().cpu(), ref8.cpu(), atol=1e-3)
+
+
+def test_gather_sum_rejects_bad_input():
+    k, v, idx = _pools(torch.float32, n_tokens=8, pool=16)
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        gather_sum(k, v, idx, FloorConfig(32, 48))
+    with pytest.raises(ValueError, match="unit last stride"):
+        gather_sum(k.transpose(1, 2), v, idx)
+    with pytest.raises(ValueError, match="float32 elements"):
+        gather_sum(k, v, idx, FloorConfig(16, 32), out=torch.empty(3, device=DEVICE))
+
+
+def test_floor_configs_prune_registers():
+    """The grid keeps valid settings only; wide heads lose the big tiles."""
+    narrow, wide = floor.floor_configs(128, 128), floor.floor_configs(256, 256)
+    assert len(narrow) > len(wide) > 0
+    for cfgs, d in ((narrow, 128), (wide, 256)):
+        assert all(c.tokens_per_program % c.block_n == 0 for c in cfgs)
+        assert all(c.block_n * 2 * d <= floor.MAX_ACC_REGISTERS * 32 * c.num_warps for c in cfgs)
+    assert FloorConfig(64, 128, 4, 3) in narrow and FloorConfig(64, 128, 4, 3) not in wide
+
+
+def test_search_gather_floor_two_rounds(monkeypatch):
+    """Round 1 over (BLOCK_N, tokens), round 2 over (warps, stages) at the winner; failures skipped."""
+    k, v, idx = _pools(torch.float32, n_tokens=40, pool=64)
+    calls = []
+
+    def fake_time(fn):
+        fn()  # runs the kernel for real (interpreter)
+        cfg = fake_time.current
+        calls.append(cfg)
+        if cfg.block_n == 64:
+            raise RuntimeError("out of resources")
+        # Fastest: BLOCK_N 32, 128 tokens; then 2 warps, 1 stage.
+        return (abs(cfg.block_n - 32) + abs(cfg.tokens_per_program - 128) / 8 + 1
+                - (cfg.num_warps == 2) * 0.1 - (cfg.num_stages == 1) * 0.05)
+
+    real = floor.gather_sum
+
+    def spy(k_, v_, idx_, config, out=None):
+        fake_time.current = config
+        return real(k_, v_, idx_, config, out)
+
+    monkeypatch.setattr(floor, "gather_sum", spy)
+    found = search_gather_floor(k, v, idx, fake_time)
+    assert found["config"] == dict(block_n=32, tokens_per_program=128, num_warps=2, num_stages=1)
+    assert math.isclose(found["us"], 1 - 0.15)
+    assert len(found["trials"]) == len(calls) == 14 + 3
+    assert all(key.startswith("64/") for key in found["errors"])
+    assert all(t[4] is None for t in found["trials"] if t[0] == 64)
+
+
+# ---- GPU tag, output path ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, tag", [
+    ("NVIDIA H200", "h200"),
+    ("NVIDIA H100 80GB HBM3", "h100"),
+    ("NVIDIA A100-SXM4-80GB", "a100"),
+    ("NVIDIA GeForce RTX 4090", "rtx4090"),
+    ("NVIDIA B200", "b200"),
+    ("NVIDIA GH200 480GB", "gh200"),
+    ("Tesla V100-SXM2-16GB", "v100"),
+    ("AMD Instinct MI300X", "mi300x"),
+])
+def test_gpu_tag(name, tag):
+    assert bench.gpu_tag(name) == tag
+
+
+def test_default_out_path():
+    assert bench.default_out_path("h100") == os.path.join("figures", "benchmark_h100.json")
+    assert bench.default_out_path("h200", "quick") == os.path.join("figures", "benchmark_h200_quick.json")
+
+
+def test_plan_run_paths_and_defaults():
+    """The full default sweep writes benchmark_<gpu>; --quick and subsets never overwrite it."""
+    full = bench.plan_run([], "NVIDIA H200")
+    assert full["out"] == os.path.join("figures", "benchmark_h200.json")
+    assert full["md"] == os.path.join("figures", "benchmark_h200.md") and full["plot_tag"] == "h200"
+    assert full["models"] == tuple(bench.MODEL_SHAPES) and full["batches"] == bench.BENCH_BATCHES
+    assert full["prefixes"] == bench.BENCH_PREFIXES and full["impls"] == bench.IMPLEMENTATIONS
+    assert full["kv_dtypes"] == bench.KV_DTYPES and full["gather_floor"]
+    assert full["timer"] == dict(rep_ms=25.0, host_calls=1000)
+    assert len(bench.bench_shapes(full["models"], full["batches"], full["prefixes"])) == 36
+    assert bench.plan_run([], "NVIDIA H100 80GB HBM3")["out"] == os.path.join("figures", "benchmark_h100.json")
+    quick = bench.plan_run(["--quick"], "NVIDIA H200")
+    assert quick["out"].endswith("benchmark_h200_quick.json") and quick["plot_tag"] == "h200_quick"
+    assert len(bench.bench_shapes(quick["models"], quick["batches"], quick["prefixes"])) * 2 == 4
+    one = bench.plan_run(["--models", "llama3-8b", "--batches", "8", "--prefixes", "16384"], "NVIDIA H200")
+    assert one["out"].endswith("benchmark_h200_custom.json") and one["batches"] == (8,)
+    mine = bench.plan_run(["--out", "/tmp/x/run.json", "--figures", "", "--rep-ms", "10"], "NVIDIA H200")
+    assert (mine["out"], mine["md"]) == ("/tmp/x/run.json", "/tmp/x/run.md")
+    assert (mine["figures"], mine["plot_tag"]) == ("", "run")
+    assert mine["timer"]["rep_ms"] == 10.0
+
+
+# ---- One row, assembled with fake timers (the wiring of every implementation) ---------------------
+
+class FakeTimer(bench.Timer):
+    """Runs each callable once (checking it works) and returns a fixed time per implementation."""
+
+    TIMES = {"eager": 80.0, "graph": 40.0, "host": 70.0}
+
+    def eager(self, fn):
+        fn()
+        return self.TIMES["eager"]
+
+    def graph(self, fn):
+        fn()
+        return self.TIMES["graph"]
+
+    def host(self, fn):
+        fn()
+        return self.TIMES["host"]
+
+
+def test_bench_row_wiring_bf16_and_fp8():
+    """splitkv, seed, extend and sdpa on a tiny CPU problem agree; the fp8 row derives from it."""
+    shape = dict(model="tiny", batch=2, prefix=40)
+    p = make_problem([40, 40], 4, 4, 2, 64, dtype=torch.float32, device=DEVICE, seed=3)
+    impls = ("splitkv", "splitkv_invariant", "seed", "extend", "sdpa")
+    row, outs = bench.bench_row(p, shape, impls, FakeTimer(), 1e12)
+    assert row["kv_dtype"] == "float32" and row["floor_us"] == p.kv_bytes / 1e12 * 1e6
+    for name in ("splitkv", "seed", "extend", "sdpa"):
+        rec = row["impls"][name]
+        assert rec["graph"] == 40.0, rec
+        assert rec["rel_diff_vs_splitkv"] < 1e-4, (name, rec)
+    assert row["impls"]["splitkv"]["eager"] == 80.0 and "eager" not in row["impls"]["extend"]
+    assert row["impls"]["splitkv"]["host_us"] == 70.0 and row["impls"]["sdpa"]["host_us"] == 70.0
+    assert "host_us" not in row["impls"]["seed"]
+    inv = row["impls"]["splitkv_invariant"]  # split_tokens: a time, or a recorded failure
+    assert inv.get("graph") == 40.0 or inv.get("error")
+    assert row["gather_floor_us"] == 40.0 and row["gather_floor_config"]["block_n"] in floor.BLOCK_NS
+    assert row["splitkv_over_floor"] == 40.0 / row["floor_us"]
+    assert row["splitkv_over_gather_floor"] == 1.0
+    assert row["elapsed_s"] > 0
+
+    q = bench.fp8_problem(p)
+    assert q.k_buffer.dtype == torch.float8_e4m3fn and (q.k_scale, q.v_scale) == (0.5, 2.0)
+    dequant = q.k_buffer.float() * q.k_scale
+    assert torch.allclose(dequant, p.k_buffer, rtol=0.07, atol=0.02)
+    row8, _ = bench.bench_row(q, shape, ("splitkv", "extend"), FakeTimer(), 1e12, gather_floor=False,
+                              bf16_row=row, bf16_out=outs["splitkv"])
+    assert row8["kv_dtype"] == "float8_e4m3fn" and row8["kv_bytes"] * 4 == row["kv_bytes"]
+    assert row8["fp8_over_bf16"] == 1.0
+    assert row8["impls"]["extend"]["rel_diff_vs_splitkv"] < 1e-4
+    assert 1e-4 < row8["impls"]["splitkv"]["rel_diff_vs_bf16"] < 0.1  # fp8 rounding, nothing worse
+    assert "gather_floor_us" not in row8 and row8["splitkv_over_gather_floor"] is None
+
+
+def test_bench_row_records_failures_and_skips(monkeypatch):
+    shape = dict(model="tiny", batch=1, prefix=16)
+    p = make_problem([16], 4, 4, 2, 64, dtype=torch.float32, device=DEVICE, seed=4)
+    monkeypatch.setattr(bench, "FLEX_MAX_ELEMENTS", 1)  # flex: skipped at every shape
+    monkeypatch.setattr(bench, "verify_splitkv_fwd", lambda *a, **k: False)  # the drop-in declines
+    row, outs = bench.bench_row(p, shape, ("splitkv", "extend", "flex"), FakeTimer(), 1e12, gather_floor=False)
+    assert row["impls"]["splitkv"]["graph"] is None
+    assert "declined" in row["impls"]["splitkv"]["error"]
+    assert "flex" in row["impls"]["flex"]["skipped"] or "2^31" in row["impls"]["flex"]["skipped"]
+    assert row["impls"]["extend"]["graph"] == 40.0 and "rel_diff_vs_splitkv" not in row["impls"]["extend"]
+    assert row["splitkv_over_floor"] is None and "splitkv" not in outs
+
+
+def test_make_impl_invariant_passes_split_tokens(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(bench, "verify_splitkv_fwd", lambda *a, **k: seen.update(k) or True)
+    p = make_problem([16], 4, 4, 2, 64, dtype=torch.float32, device=DEVICE, seed=5)
+    assert bench.make_impl("splitkv_invariant", p, p.new_output())() is True
+    assert seen["split_tokens"] == bench.INVARIANT_SPLIT_TOKENS == 1024 and seen["max_bs"] == 1
+
+
+def test_flex_skip_rule():
+    """Skipped exactly where flex failed to compile in the committed H200 run."""
+    def problem(model, bs, prefix):
+        s = bench.MODEL_SHAPES[model]
+        # Shapes only: a stand-in with the fields skip_reason reads.
+        return type("P", (), dict(batch_size=bs, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                                  prefix_lens=[prefix], extend_lens=[4]))()
+
+    assert bench.skip_reason("flex", problem("llama3-8b", 32, 65536))
+    assert bench.skip_reason("flex", problem("qwen3-32b", 32, 65536))
+    assert not bench.skip_reason("flex", problem("qwen3-next", 32, 65536))
+    assert not bench.skip_reason("flex", problem("llama3-8b", 32, 16384))
+    assert not bench.skip_reason("sdpa", problem("llama3-8b", 32, 65536))
+
+
+def test_run_benchmark_loop_on_cpu(monkeypatch, tmp_path):
+    """The sweep loop end to end with fake timers: bf16 then fp8 rows per shape, JSON after each row."""
+    import json
+
+    from splitkv.testing import HeadShape
+
+    cpu_problem = bench.make_problem
+
+    def make(*args, **kw):  # the interpreter: float32 on the CPU, not bf16 on a GPU
+        return cpu_problem(*args, **dict(kw, dtype=torch.float32, device=DEVICE))
+
+    monkeypatch.setattr(bench, "make_problem", make)
+    monkeypatch.setattr(bench, "MODEL_SHAPES", {"tiny": HeadShape("tiny", 4, 2, 64)})
+    monkeypatch.setattr(bench, "measure_read_bandwidth", lambda: 1e12)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"multi_processor_count": 132}))
+    out = tmp_path / "run.json"
+    result = bench.run_benchmark(["tiny"], [1, 2], [32], ("splitkv", "extend", "sdpa"),
+                                 timer=FakeTimer(), out_path=str(out), progress=False, gather_floor=False)
+    saved = json.loads(out.read_text())
+    assert saved == json.loads(json.dumps(result))
+    rows = saved["rows"]
+    assert [(r["batch"], r["kv_dtype"]) for r in rows] == [
+        (1, "float32"), (1, "float8_e4m3fn"), (2, "float32"), (2, "float8_e4m3fn")]
+    for r in rows[1::2]:
+        assert set(r["impls"]) == {"splitkv", "extend"} and r["fp8_over_bf16"] == 1.0
+        assert (r["k_scale"], r["v_scale"]) == (0.5, 2.0)
+    assert all(r["splitkv_over_floor"] == 40.0 / r["floor_us"] for r in rows)
+    assert saved["device"] == "NVIDIA H200" and saved["elapsed_s"] > 0
+    bench.format_markdown(saved)
+
+
+def test_host_timer_on_cpu():
+    t = bench.Timer(host_calls=1000)
+    assert 0 < t.host(lambda: None) < 1000
+
+
+# ---- Tables and plots on a synthetic result --------------------------------------------------------
+
+def _rec(graph, **extra):
+    return dict(graph=graph, gbps=1.0, pct_bw=50.0, rel_diff_vs_splitkv=0.001, **extra)
+
+
+def synthetic_result():
+    """Two bf16 shapes and one fp8 row, with every new field, a failure and a skip."""
+    floor_cfg = dict(block_n=32, tokens_per_program=128, num_warps=4, num_stages=3)
+
+    def bf16_row(model, bs, prefix, ours):
+        return dict(
+            model=model, batch=bs, prefix=prefix, kv_dtype="bfloat16", k_scale=1.0, v_scale=1.0,
+            kv_bytes=bs * prefix * 4096, floor_us=ours * 0.8, gather_floor_us=ours * 0.9,
+            gather_floor_config=floor_cfg, gather_floor_trials=[[32, 128, 4, 3, ours * 0.9]],
+            splitkv_over_floor=1.25, splitkv_over_gather_floor=1 / 0.9, invariant_over_splitkv=1.1,
+            elapsed_s=3.2, setup_s=0.5,
+            impls=dict(
+                splitkv=_rec(ours, eager=ours + 50, host_us=71.5),
+                splitkv_invariant=_rec(ours * 1.1),
+                seed=_rec(ours * 3),
+                extend=_rec(ours * 10, host_us=None, host_skipped="graph time 2000 us > 500 us: device-bound"),
+                flex=dict(graph=None, error="InductorError: SubprocException: boom\nTraceback"),
+                sdpa=_rec(ours * 5, host_us=90.0),
+            ),
+        )
+
+    rows = [bf16_row("llama3-8b", 1, 4096, 19.5), bf16_row("qwen3-32b", 32, 65536, 2052.7)]
+    rows[1]["impls"]["flex"] = dict(skipped="dense K of 2.0 Gi elements: flex's template failed")
+    rows.append(dict(
+        model="llama3-8b", batch=1, prefix=4096, kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=2.0,
+        kv_bytes=4096 * 2048, floor_us=8.0, gather_floor_us=9.5, gather_floor_config=floor_cfg,
+        splitkv_over_floor=1.7, splitkv_over_gather_floor=1.43, invariant_over_splitkv=1.05,
+        fp8_over_bf16=0.7, elapsed_s=1.0, setup_s=0.01,
+        impls=dict(splitkv=_rec(13.6, eager=60.0, host_us=72.0, rel_diff_vs_bf16=0.04),
+                   splitkv_invariant=_rec(14.3), extend=_rec(300.0)),
+    ))
+    return dict(
+        device="NVIDIA H200", num_sms=132, torch="2.11.0", triton="3.6.0", python="3.12.3",
+        date="2026-12-01", read_bandwidth=4.25e12, draft_tokens=4, dtype="bfloat16",
+        kv_dtypes=list(bench.KV_DTYPES), fp8_scales=dict(k_scale=0.5, v_scale=2.0),
+        invariant_split_tokens=1024, implementations=dict(bench.IMPL_HELP),
+        timing=dict(warmup_ms=5.0, rep_ms=25.0, host_calls=1000, host_max_graph_us=500.0,
+                    eager_impls=["splitkv"]),
+        elapsed_s=10.0, rows=rows,
+    )
+
+
+def test_format_markdown():
+    md = bench.format_markdown(synthetic_result())
+    tables = [line for line in md.splitlines() if line.startswith("|") and not line.startswith("|---")]
+    widths = {line.count("|") - 1 for line in tables}
+    assert max(widths) <= 9, widths
+    captions = [line for line in md.splitlines() if line.startswith("**")]
+    assert len(captions) == 4  # times, ratios, host, fp8
+    assert "| llama3-8b bs1 4k | 15.6 | 17.6 | 19.5 | 21.5 | 58.5 | 195.0 | fail | 97.5 |" in md
+    assert "| qwen3-32b bs32 64k | 1642 | 1847 | 2053 | 2258 | 6158 | 20527 | skip | 10264 |" in md
+    assert "| llama3-8b bs1 4k | 1.25 | 1.11 | 1.10 | 3.00 | 10.00 | fail | 5.00 |" in md  # ratios
+    assert "| llama3-8b bs1 4k | 19.5 | 69.5 | 71.5 | skip | fail | 90.0 |" in md  # host
+    assert "| llama3-8b bs1 4k | 8.0 | 9.5 | 13.6 | 14.3 | 300.0 | 1.43 | 0.70 | 22.06 |" in md  # fp8
+    assert "flex failed at llama3-8b bs1 4k bf16: InductorError: SubprocException: boom" in md
+    assert "flex skipped at qwen3-32b bs32 64k bf16" in md
+    assert "NVIDIA H200 (132 SMs), measured read bandwidth 4.25 TB/s" in md
+
+
+def test_format_table():
+    text = bench.format_table(synthetic_result())
+    assert "gather floor" in text and "fp8 ÷ bf16" in text and "invariant" in text
+    line = next(x for x in text.splitlines() if x.startswith("llama3-8b bs1 4k") and "fail" in x)
+    assert re.search(r"19\.5\s+21\.5\s+58\.5\s+195\.0\s+fail\s+97\.5$", line)
+
+
+def test_tables_read_the_old_result_format():
+    """The committed result files before these fields still format (missing cells are dashes)."""
+    old = synthetic_result()
+    for row in old["rows"]:
+        for key in list(row):
+            if "floor" in key and key != "floor_us" or key in ("invariant_over_splitkv", "kv_dtype", "fp8_over_bf16"):
+                del row[key]
+    old["rows"] = old["rows"][:2]
+    for key in ("timing", "fp8_scales", "kv_dtypes", "invariant_split_tokens", "elapsed_s"):
+        del old[key]
+    md = bench.format_markdown(old)
+    assert "fp8 KV pool" not in md
+    assert "| llama3-8b bs1 4k | 15.6 | – |" in md
+    bench.format_table(old)
+
+
+def test_plots_with_failures_and_fp8(tmp_path):
+    pytest.importorskip("matplotlib")
+    from splitkv.plots import IMPL_STYLE, plot_benchmark
+
+    assert set(bench.IMPLEMENTATIONS) <= set(IMPL_STYLE)
+    result = synthetic_result()
+    paths = plot_benchmark(result, str(tmp_path), tag="test")
+    assert [os.path.basename(p) for p in paths] == ["roofline_test.png", "speedup_test.png"]
+    assert all(os.path.getsize(p) > 10_000 for p in paths)
+    old = copy.deepcopy(result)
+    old["rows"] = [r for r in old["rows"] if r["kv_dtype"] == "bfloat16"]
+    for r in old["rows"]:
+        del r["kv_dtype"], r["gather_floor_us"], r["impls"]["splitkv_invariant"]
+    plot_benchmark(old, str(tmp_path), tag="old")
+
+
+# ---- Command line ---------------------------------------------------------------------------------
+
+def test_cli_help_exits_0():
+    proc = subprocess.run([sys.executable, "-m", "splitkv.bench", "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    for needle in ("CUDA GPU", "python -m splitkv demo", "--quick", "minutes", "benchmark_<gpu>.json",
+                   "(default: 1 8 32)", "tokens per sequence", "splitkv_invariant", "split_tokens=1024"):
+        assert needle in text, needle
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU message")
+def test_cli_without_gpu_points_to_demo():
+    with pytest.raises(SystemExit) as exc:
+        bench.main([])
+    assert "python -m splitkv demo" in str(exc.value.code)

@@ -1,0 +1,168 @@
+"""Randomised: valid problems against the oracle, corrupted metadata against the checked mode.
+
+* Valid problems over prefix lengths 0..N (several slices for the long ones),
+  1..16 drafts, GQA ratios 1/2/3/4, odd head dims, both index dtypes, chains,
+  trees and full draft blocks, sinks, k/v scales, fused-QKV views, adaptive and
+  fixed slices, with and without the LSE: the production entry must match the
+  float64 oracle (global norm and worst row).
+* Corruptions of kv_indices, kv_indptr, qo_indptr and mask_indptr that are
+  invalid by construction: the checked mode must raise a ValueError naming the
+  field; unchecked, a batch of them runs in a subprocess (see test_checked.py)
+  and must stay in bounds.
+
+Shapes are small and example counts low: the interpreter is slow and CI has two cores.
+"""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from conftest import (
+    DEVICE,
+    DTYPES,
+    MIN_SPLIT,
+    assert_close,
+    assert_matches_reference,
+    build_case,
+    last_plan,
+    run_unchecked_in_subprocess,
+)
+from splitkv import verify_attention, verify_splitkv_fwd
+from splitkv.testing import make_problem, reference_for
+
+#: Longest prefix drawn: several slices under the adaptive chooser (MIN_SPLIT is 32 on the CPU).
+MAX_PREFIX = 4 * MIN_SPLIT + 10
+
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+                derandomize=True)
+
+
+@st.composite
+def valid_problems(draw):
+    bs = draw(st.integers(1, 3))
+    lengths = st.one_of(st.integers(0, MAX_PREFIX), st.integers(MAX_PREFIX // 2, MAX_PREFIX))
+    prefix = draw(st.lists(lengths, min_size=bs, max_size=bs))
+    extend = draw(st.lists(st.integers(1, 16), min_size=bs, max_size=bs))
+    kv_heads = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([1, 2, 3, 4]))
+    head_dim = draw(st.sampled_from([40, 72, 96, 16]))
+    v_head_dim = draw(st.sampled_from([head_dim, head_dim, 24]))
+    fused = v_head_dim == head_dim and draw(st.booleans())
+    return dict(
+        prefix_lens=prefix, extend_lens=extend, num_q_heads=kv_heads * group, num_kv_heads=kv_heads,
+        head_dim=head_dim, v_head_dim=v_head_dim, fused_qkv=fused,
+        dtype=draw(st.sampled_from(DTYPES)),
+        index_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
+        mask=draw(st.sampled_from(["causal", "chain", "tree", "none"])),
+        sinks=draw(st.booleans()),
+        k_scale=draw(st.sampled_from([1.0, 0.5])), v_scale=draw(st.sampled_from([1.0, 1.5])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(spec=valid_problems(), split_tokens=st.sampled_from([None, None, 128]), return_lse=st.booleans())
+def test_random_valid_problems(spec, split_tokens, return_lse):
+    p = make_problem(device=DEVICE, **spec)
+    out = p.new_output()
+    result = verify_attention(*p.args(out), **p.kwargs(), split_tokens=split_tokens, return_lse=return_lse)
+    event(f"grid slices: {last_plan().n_splits}")
+    if return_lse:
+        result, lse = result
+        ref_o, ref_lse = reference_for(p, return_lse=True)
+        assert_close(result, ref_o, p.q_extend.dtype)
+        tol = 1e-4 if p.q_extend.dtype == torch.float32 else 2e-3
+        assert (lse.double() - ref_lse).abs().max().item() < tol
+    else:
+        assert result is out
+        assert_matches_reference(out, p)
+
+
+# --- corruptions ------------------------------------------------------------------
+
+#: Corruption kind -> the field the checked mode's message must name.
+KINDS = {
+    "slot": "kv_indices",
+    "kv_indptr_decreases": "kv_indptr",
+    "kv_indptr_start": r"kv_indptr\[0\]",
+    "kv_indptr_end": r"kv_indptr\[-1\]",
+    "qo_indptr_decreases": "qo_indptr",
+    "qo_indptr_start": r"qo_indptr\[0\]",
+    "qo_indptr_end": r"qo_indptr\[-1\]",
+    "too_many_drafts": "max_len_extend",
+    "mask_indptr": "mask_indptr",
+}
+
+
+@st.composite
+def corrupted_cases(draw):
+    """A JSON case (see conftest.build_case) whose metadata is invalid by construction."""
+    bs = draw(st.integers(2, 3))
+    prefix = draw(st.lists(st.integers(0, 70), min_size=bs, max_size=bs))
+    extend = draw(st.lists(st.integers(1, 6), min_size=bs, max_size=bs))
+    index_dtype = draw(st.sampled_from(["int32", "int64"]))
+    mask = draw(st.sampled_from(["causal", "tree"]))
+    problem = dict(prefix_lens=prefix, extend_lens=extend, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                   index_dtype=index_dtype, mask=mask, seed=draw(st.integers(0, 2**31 - 1)))
+    kinds = [k for k in KINDS if (k != "slot" or sum(prefix) > 0) and (k != "mask_indptr" or mask == "tree")]
+    kind = draw(st.sampled_from(kinds))
+    kv = [0]
+    for n in prefix:
+        kv.append(kv[-1] + n)
+    qo = [0]
+    for n in extend:
+        qo.append(qo[-1] + n)
+    d = draw(st.integers(1, 50))
+    b = draw(st.integers(1, bs))
+    edits, max_len_extend, expect = [], None, None
+    if kind == "slot":
+        values = [["abs", -1], ["abs", -(2**31)], ["pool", 0], ["pool", d], ["abs", 2**31 - 1]]
+        if index_dtype == "int64":
+            values += [["abs", 2**40], ["abs", -(2**40)]]
+        edits = [["kv_indices", draw(st.integers(0, sum(prefix) - 1)), draw(st.sampled_from(values))]]
+        expect = "absent"
+    elif kind == "kv_indptr_decreases":
+        kv[b] = kv[b - 1] - d
+        edits = [["kv_indptr", None, kv]]
+    elif kind == "kv_indptr_start":
+        kv[0] = draw(st.sampled_from([d, -d]))
+        edits = [["kv_indptr", None, kv]]
+    elif kind == "kv_indptr_end":
+        edits = [["kv_indptr", bs, ["kv_len", d]]]
+    elif kind == "qo_indptr_decreases":
+        qo[b] = qo[b - 1] - d
+        edits = [["qo_indptr", None, qo]]
+    elif kind == "qo_indptr_start":
+        qo[0] = draw(st.sampled_from([d, -d]))
+        edits = [["qo_indptr", None, qo]]
+    elif kind == "qo_indptr_end":
+        edits = [["qo_indptr", bs, ["tokens", d]]]
+    elif kind == "too_many_drafts":
+        max_len_extend = max(1, max(extend) - draw(st.integers(1, 3)))  # the gate serves it if rows allow
+    elif kind == "mask_indptr":
+        size = extend[b - 1] * (prefix[b - 1] + extend[b - 1])
+        edits = [["mask_indptr", b - 1, draw(st.sampled_from([["abs", -d], ["mask_len", d - size]]))]]
+    name = f"{kind} {problem['prefix_lens']}/{problem['extend_lens']} {index_dtype} {mask} {edits} {max_len_extend}"
+    return dict(name=name, problem=problem, edits=edits, max_len_extend=max_len_extend, expect=expect,
+                match=KINDS[kind])
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(case=corrupted_cases())
+def test_corruptions_raise_when_checked(case):
+    p, clean, _ = build_case(case)
+    with pytest.raises(ValueError, match=case["match"]):
+        verify_attention(*p.args(p.new_output()), **p.kwargs())
+    if p.num_tokens <= p.batch_size * p.max_len_extend:
+        # (when the gate declines, the drop-in returns False unchecked: the bug test_checked.py marks)
+        with pytest.raises(ValueError, match=case["match"]):
+            verify_splitkv_fwd(*p.args(p.new_output()), **p.kwargs(), check=True)
+
+
+@settings(max_examples=2, **SETTINGS)
+@given(cases=st.lists(corrupted_cases(), min_size=10, max_size=10))
+def test_corruptions_stay_in_bounds_unchecked(cases):
+    for i, case in enumerate(cases):
+        case["name"] = f"#{i} {case['name']}"
+    run_unchecked_in_subprocess(cases)

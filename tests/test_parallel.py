@@ -1,0 +1,456 @@
+"""Context-parallel verify (splitkv.parallel): sharding, the cross-rank merge, real process groups.
+
+* single process: the sharding helpers (a partition of every prefix, the
+  mask re-laid for the local prefix length), the merge of shards in float64,
+  and whole worlds simulated in one process with the kernel;
+* two processes joined by gloo on 127.0.0.1 (CPU, Triton interpreter): one
+  spawn runs every case (both shardings, empty shards, tree masks, sinks, the
+  plan/run path and the one-call entry, ``dst``), the tests check its results;
+* GPU (``gpu`` marker; needs 2 GPUs and a torchrun world of 2, else skipped)::
+
+      torchrun --nproc_per_node 2 -m pytest -p no:cacheprovider tests/test_parallel.py -k gpu
+
+  bf16 parity against the oracle at 64k-256k prefixes, and CUDA-graph capture
+  and replay with the NCCL all-gather inside the graph.
+"""
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+
+from conftest import CUDA, TOLERANCE
+from splitkv import VerifySplitKV, verify_attention
+from splitkv.parallel import (
+    ContextParallelVerify,
+    cp_verify_attention,
+    launch_local,
+    run_cases,
+    shard_mask,
+    shard_owner,
+    shard_prefix,
+    shard_problem,
+    simulate_context_parallel,
+)
+from splitkv.testing import make_problem, reference_for, relative_error
+
+#: LSE budgets (absolute, natural log) against the float64 oracle.
+LSE_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+#: Worst single (token, head) row, relative: a sequence or rank merged wrongly fails here
+#: even where the global norm would hide it (empty shards are short sequences).
+ROW_TOL = {torch.float32: 5e-4, torch.float16: 5e-3, torch.bfloat16: 4e-2}
+
+
+def assert_close(out, ref, dtype, what="output"):
+    """Finite, and within the dtype's global and worst-row budgets against the oracle."""
+    assert torch.isfinite(out).all(), f"{what} holds NaN/inf"
+    err = relative_error(out, ref)
+    assert err < TOLERANCE[dtype], f"{what}: relative error {err:.2e} exceeds {TOLERANCE[dtype]:.0e}"
+    out64, ref64 = out.double(), ref.to(device=out.device, dtype=torch.float64)
+    rows = torch.linalg.vector_norm(out64 - ref64, dim=-1) / torch.linalg.vector_norm(ref64, dim=-1)
+    worst = rows.max().item()
+    assert worst < ROW_TOL[dtype], f"{what}: worst row error {worst:.2e} exceeds {ROW_TOL[dtype]:.0e}"
+    return err
+
+
+def small(prefix_lens, extend_lens=4, dtype=torch.float16, **kw):
+    kw.setdefault("seed", 0)
+    return make_problem(prefix_lens, extend_lens, kw.pop("num_q_heads", 4), kw.pop("num_kv_heads", 2),
+                        kw.pop("head_dim", 32), dtype=dtype, **kw)
+
+
+# ---- Sharding helpers ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("mode,block", [("chunk", None), ("chunk", 8), ("round_robin", 1), ("round_robin", 16)])
+def test_shard_prefix_is_a_partition(world, mode, block):
+    lens = [0, 1, 7, 16, 17, 100, 333]
+    p = small(lens, 1)
+    kvp, kvi = p.kv_indptr, p.kv_indices
+    owner_seen = {}
+    for rank in range(world):
+        sh = shard_prefix(kvp, kvi, world, rank, mode, block)
+        assert sh.kv_indptr.dtype == torch.int32 and int(sh.kv_indptr[0]) == 0
+        assert sh.kv_indices.numel() >= 1 and sh.kv_indices.dtype == kvi.dtype
+        assert sh.prefix_lens.tolist() == (sh.kv_indptr[1:] - sh.kv_indptr[:-1]).tolist()
+        for b, n in enumerate(lens):
+            a, e = int(sh.kv_indptr[b]), int(sh.kv_indptr[b + 1])
+            pos = sh.positions[a:e].tolist()
+            assert pos == sorted(pos), "local keys stay in prefix order"
+            # Each local entry is the global slot of its position.
+            glob = kvi[int(kvp[b]):int(kvp[b + 1])]
+            assert sh.kv_indices[a:e].tolist() == [int(glob[i]) for i in pos]
+            for i in pos:
+                assert (b, i) not in owner_seen, "a key on two ranks"
+                owner_seen[(b, i)] = rank
+            blk = block or (1 if mode == "chunk" else 256)
+            if mode == "chunk" and pos:
+                assert pos == list(range(pos[0], pos[-1] + 1)), "a chunk is contiguous"
+                pages = -(-n // blk)
+                assert pos[0] == min(n, (rank * pages // world) * blk)
+            if mode == "round_robin":
+                assert all((i // blk) % world == rank for i in pos)
+    assert len(owner_seen) == sum(lens), "every key on exactly one rank"
+
+
+def test_shard_prefix_empty_shard_is_padded():
+    p = small([5, 0], 1)
+    sh = shard_prefix(p.kv_indptr, p.kv_indices, 2, 1, "round_robin", 64)
+    assert sh.kv_indptr.tolist() == [0, 0, 0] and sh.kv_indices.numel() == 1 and sh.positions.numel() == 0
+
+
+def test_shard_prefix_indptr_not_starting_at_zero():
+    p = small([30, 12], 1)
+    kvi = torch.cat([torch.full((5,), -7, dtype=p.kv_indices.dtype), p.kv_indices])
+    kvp = p.kv_indptr + 5
+    for rank in range(2):
+        a = shard_prefix(kvp, kvi, 2, rank, "chunk")
+        b = shard_prefix(p.kv_indptr, p.kv_indices, 2, rank, "chunk")
+        assert torch.equal(a.kv_indptr, b.kv_indptr) and torch.equal(a.kv_indices, b.kv_indices)
+
+
+def test_shard_owner_formula():
+    # chunk, P pages over W ranks: rank r holds pages [floor(r P / W), floor((r+1) P / W)).
+    for n in range(0, 40):
+        for world in (1, 2, 3, 5):
+            for block in (1, 3, 8):
+                pos = torch.arange(n)
+                got = shard_owner(pos, torch.full_like(pos, n), world, "chunk", block).tolist()
+                pages = -(-n // block)
+                want = [next(r for r in range(world) if (r * pages) // world <= i // block < ((r + 1) * pages) // world)
+                        for i in range(n)]
+                assert got == want
+
+
+def test_bad_shard_arguments():
+    p = small([10], 1)
+    with pytest.raises(ValueError, match="mode"):
+        shard_prefix(p.kv_indptr, p.kv_indices, 2, 0, "zigzag")
+    with pytest.raises(ValueError, match="block"):
+        shard_prefix(p.kv_indptr, p.kv_indices, 2, 0, "chunk", 0)
+    with pytest.raises(ValueError, match="rank"):
+        shard_prefix(p.kv_indptr, p.kv_indices, 2, 2)
+
+
+@pytest.mark.parametrize("mode,block", [("chunk", None), ("round_robin", 8)])
+def test_shard_mask_keeps_the_local_columns(mode, block):
+    p = small([0, 3, 40, 21], [3, 5, 2, 6], mask="tree", seed=3)
+    qo, kvp, mp = p.qo_indptr.tolist(), p.kv_indptr.tolist(), p.mask_indptr.tolist()
+    for rank in range(3):
+        sh = shard_prefix(p.kv_indptr, p.kv_indices, 3, rank, mode, block)
+        mask, mptr = shard_mask(p.custom_mask, p.mask_indptr, p.qo_indptr, p.kv_indptr, sh)
+        assert mptr.dtype == torch.int64 and int(mptr[0]) == 0 and int(mptr[-1]) == mask.numel()
+        for b in range(4):
+            n_l, n_g, L = int(sh.prefix_lens[b]), kvp[b + 1] - kvp[b], qo[b + 1] - qo[b]
+            glob = p.custom_mask[mp[b]: mp[b] + L * (n_g + L)].view(L, n_g + L)
+            loc = mask[int(mptr[b]): int(mptr[b + 1])].view(L, n_l + L)
+            pos = sh.positions[int(sh.kv_indptr[b]): int(sh.kv_indptr[b + 1])]
+            # The draft block where the kernel reads it: after the *local* prefix.
+            assert torch.equal(loc[:, n_l:], glob[:, n_g:])
+            assert torch.equal(loc[:, :n_l], glob[:, pos])
+
+
+def test_the_global_mask_is_wrong_for_a_shard():
+    """Why shard_mask exists: the kernel offsets mask rows by the local prefix length."""
+    p = small([60, 45], [6, 5], dtype=torch.float32, mask="tree", seed=4)
+    lp = shard_problem(p, 2, 1, "chunk")
+    runner = VerifySplitKV(4, 2, 32, 32, 6, 2, "cpu")
+    ref = reference_for(lp)  # the local keys and the drafts, under the tree
+    good = runner(*lp.args(lp.new_output())[:9], lp.custom_mask, lp.mask_indptr, True, sm_scale=lp.sm_scale)
+    assert_close(good, ref, torch.float32)
+    bad = runner(*lp.args(lp.new_output())[:9], p.custom_mask, p.mask_indptr, True, sm_scale=lp.sm_scale)
+    assert relative_error(bad, ref) > 1e-2
+
+
+# ---- The merge of shards, in one process ---------------------------------------------------------
+
+
+def _prefix_only_state(lp, attend_draft, sinks):
+    """Float64 (o, lse) of a shard: its prefix keys, plus the drafts and sinks only if attend_draft."""
+    if attend_draft:
+        o, s = reference_for(lp, return_lse=True, sinks=sinks)
+    else:
+        L = lp.extend_lens
+        blocks = [torch.cat([torch.ones(l, n, dtype=torch.bool), torch.zeros(l, l, dtype=torch.bool)], 1).flatten()
+                  for n, l in zip(lp.prefix_lens, L)]
+        mptr = torch.zeros(len(blocks) + 1, dtype=torch.int64)
+        mptr[1:] = torch.cumsum(torch.tensor([x.numel() for x in blocks]), 0)
+        o, s = reference_for(lp, return_lse=True, custom_mask=torch.cat(blocks), mask_indptr=mptr, sinks=None)
+    empty = torch.isinf(s) | torch.isnan(s)
+    return torch.where(empty[..., None], 0.0, o), torch.where(empty, float("-inf"), s)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode,block", [("chunk", None), ("round_robin", 8)])
+def test_merge_of_shards_is_exact_in_float64(world, mode, block):
+    p = small([0, 1, 50, 37], [3, 2, 5, 4], dtype=torch.float32, mask="tree", sinks=True, seed=5)
+    ref_o, ref_s = reference_for(p, return_lse=True)
+    draft_rank = world - 1
+    states = [_prefix_only_state(shard_problem(p, world, r, mode, block), r == draft_rank,
+                                 p.sinks if r == draft_rank else None) for r in range(world)]
+    o = torch.stack([x[0] for x in states])  # [W, tokens, H, Dv]
+    s = torch.stack([x[1] for x in states])  # [W, tokens, H]
+    lse = torch.logsumexp(s, 0)
+    merged = (torch.exp(s - lse)[..., None] * o).sum(0)
+    assert (merged - ref_o).abs().max().item() < 1e-10
+    assert (lse - ref_s).abs().max().item() < 1e-10
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("world,mode,block,draft_rank", [
+    (1, "chunk", None, 0), (2, "chunk", None, 0), (2, "round_robin", 16, 1), (3, "chunk", 16, 2),
+])
+def test_simulated_world_matches_oracle(dtype, world, mode, block, draft_rank):
+    p = small([0, 1, 70, 130], [3, 2, 5, 4], dtype=dtype, mask="tree", sinks=True, seed=6)
+    ref_o, ref_s = reference_for(p, return_lse=True)
+    out, lse, o_parts, s_parts = simulate_context_parallel(p, world, mode, block, draft_rank=draft_rank,
+                                                           n_splits=2, return_partials=True)
+    assert o_parts.shape[1] == world
+    assert_close(out, ref_o, dtype)
+    assert (lse.double() - ref_s).abs().max().item() < LSE_TOL[dtype]
+    # Sequence 0 has no prefix: every rank but the draft rank holds the empty state.
+    rows = slice(0, 3)
+    for r in range(world):
+        assert torch.isinf(s_parts[rows, r]).all() == (r != draft_rank)
+
+
+def test_world_of_one_without_distributed():
+    p = small([90, 5], [4, 3], dtype=torch.float32, mask="chain", sinks=True, seed=7)
+    cp = ContextParallelVerify(4, 2, 32, 32, 4, 2, "cpu")
+    assert (cp.rank, cp.world_size, cp.merges, cp.owns_draft) == (0, 1, True, True)
+    plan = cp.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
+                   p.kv_indices, p.custom_mask, p.mask_indptr, p.is_causal, sm_scale=p.sm_scale, sinks=p.sinks,
+                   return_lse=True)
+    out, lse = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer)
+    want, want_lse = verify_attention(*p.args(p.new_output()), **p.kwargs(), return_lse=True)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)  # the plain split path, same kernel
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
+    got = cp_verify_attention(*p.args(p.new_output()), sm_scale=p.sm_scale, sinks=p.sinks)
+    assert_close(got, reference_for(p), torch.float32)
+
+
+def test_bad_runner_arguments():
+    with pytest.raises(ValueError, match="draft_rank"):
+        ContextParallelVerify(4, 2, 32, 32, 4, 2, "cpu", draft_rank=1)
+    with pytest.raises(ValueError, match="dst"):
+        ContextParallelVerify(4, 2, 32, 32, 4, 2, "cpu", dst=[0, 3])
+    p = small([10], 4, dtype=torch.bfloat16)
+    cp = ContextParallelVerify(4, 2, 32, 32, 4, 1, "cpu")
+    with pytest.raises(NotImplementedError, match="bfloat16"):
+        cp.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
+                p.kv_indices)
+
+
+# ---- Two processes, gloo -------------------------------------------------------------------------
+
+HEADS = dict(num_q_heads=4, num_kv_heads=2, head_dim=32)
+CASES = {
+    # name: (case for run_cases, ranks expected to merge)
+    "chunk_fp16_causal": dict(problem=dict(prefix_lens=[300, 57], extend_lens=4, dtype=torch.float16, seed=10,
+                                           **HEADS)),
+    "round_robin_fp32_tree_sinks_empty_shards": dict(
+        problem=dict(prefix_lens=[0, 1, 40, 130], extend_lens=[3, 2, 5, 4], dtype=torch.float32, mask="tree",
+                     sinks=True, seed=11, **HEADS),
+        mode="round_robin", block=16, draft_rank=1),
+    "chunk_pages_tree_fp16_forced_splits": dict(
+        problem=dict(prefix_lens=[200, 90], extend_lens=[5, 7], dtype=torch.float16, mask="tree", seed=12,
+                     **HEADS),
+        mode="chunk", block=32, n_splits=3),
+    "function_entry_dst1_chain": dict(
+        problem=dict(prefix_lens=[70, 9], extend_lens=4, dtype=torch.float16, mask="chain", seed=13, **HEADS),
+        entry="function", dst=1),
+    "rank1_holds_nothing": dict(
+        problem=dict(prefix_lens=[100, 3, 0], extend_lens=[4, 2, 3], dtype=torch.float32, sinks=True, seed=14,
+                     **HEADS),
+        mode="round_robin", block=256, draft_rank=0),
+    "fp32_partials_fp16_io": dict(
+        problem=dict(prefix_lens=[150], extend_lens=6, dtype=torch.float16, mask="tree", seed=15, **HEADS),
+        partial_dtype=torch.float32, draft_rank=1),
+}
+
+
+@pytest.fixture(scope="module")
+def gloo_results():
+    """Every case run once by a world of two spawned processes (gloo, 127.0.0.1)."""
+    results = launch_local(run_cases, 2, list(CASES.values()), timeout_s=300)
+    return {name: [results[r][i] for r in range(2)] for i, name in enumerate(CASES)}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_process_gloo(gloo_results, name):
+    case = CASES[name]
+    p = make_problem(**case["problem"])
+    ref_o, ref_s = reference_for(p, return_lse=True)
+    dst = case.get("dst")
+    merging = [0, 1] if dst is None else [dst]
+    by_rank = gloo_results[name]
+    # The shards partition every prefix.
+    assert [sum(x) for x in zip(*(r["local_prefix_lens"] for r in by_rank))] == p.prefix_lens
+    for rank, res in enumerate(by_rank):
+        if rank not in merging:
+            assert res["out"] is None and res["lse"] is None
+            continue
+        assert_close(res["out"], ref_o, p.q_extend.dtype, f"rank {rank}")
+        assert (res["lse"].double() - ref_s).abs().max().item() < LSE_TOL[p.q_extend.dtype]
+    if len(merging) == 2:  # both ranks merged the same gathered states: bitwise equal
+        assert torch.equal(by_rank[0]["out"], by_rank[1]["out"])
+        assert torch.equal(by_rank[0]["lse"], by_rank[1]["lse"])
+
+
+def test_launch_local_reports_a_failing_rank():
+    bad = dict(problem=dict(prefix_lens=[10], dtype=torch.float32, seed=0, **HEADS), mode="zigzag")
+    with pytest.raises(RuntimeError, match="unknown shard mode"):
+        launch_local(run_cases, 1, [bad], timeout_s=120)  # one process is enough to see it
+
+
+def test_two_process_gloo_empty_state(gloo_results):
+    """A rank holding no key (and not the drafts) contributes s = -inf everywhere."""
+    rank1 = gloo_results["rank1_holds_nothing"][1]
+    assert rank1["local_prefix_lens"] == [0, 0, 0]
+    assert torch.isinf(rank1["part_lse"][:9]).all() and (rank1["part_lse"][:9] < 0).all()
+
+
+# ---- GPU: a torchrun world of two ----------------------------------------------------------------
+
+
+def _torchrun_pair() -> bool:
+    return (CUDA and torch.cuda.device_count() >= 2 and os.environ.get("WORLD_SIZE") == "2"
+            and "RANK" in os.environ and "LOCAL_RANK" in os.environ)
+
+
+needs_two_gpus = pytest.mark.skipif(
+    not _torchrun_pair(), reason="needs 2 GPUs under `torchrun --nproc_per_node 2`")
+
+
+@pytest.fixture(scope="module")
+def nccl():
+    """The NCCL world of the torchrun processes (rank, world)."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", timeout=timedelta(seconds=300))
+    yield dist.get_rank(), dist.get_world_size()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _agree(ok: bool, msg: str) -> None:
+    """Fail on every rank if any rank failed (no rank is left waiting in a collective)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([0 if ok else 1], device="cuda")
+    dist.all_reduce(flag)
+    assert ok, msg
+    assert int(flag) == 0, "another rank failed (see its output)"
+
+
+GPU_CASES = {
+    "qwen3-next 256k chunk tree sinks": dict(shape=(16, 2, 256), prefix_lens=[262144], extend_lens=6, mask="tree",
+                                             sinks=True, mode="chunk"),
+    "llama3-8b 64k+128k+0+7 round_robin": dict(shape=(32, 8, 128), prefix_lens=[65536, 131072, 0, 7],
+                                               extend_lens=4, mode="round_robin", block=256),
+    "qwen3-32b 128k+64k chunk pages chain draft1 dst0": dict(shape=(64, 8, 128), prefix_lens=[131072, 65536],
+                                                             extend_lens=5, mask="chain", mode="chunk", block=64,
+                                                             draft_rank=1, dst=0),
+    "llama3-8b 200k fp32 partials": dict(shape=(32, 8, 128), prefix_lens=[200000], extend_lens=8, mask="tree",
+                                         mode="round_robin", block=1024, partial_dtype=torch.float32),
+}
+
+
+def _gpu_problem(case, seed, dtype=torch.bfloat16):
+    h_q, h_kv, d = case["shape"]
+    return make_problem(case["prefix_lens"], case["extend_lens"], h_q, h_kv, d, dtype=dtype, device="cuda",
+                        mask=case.get("mask", "causal"), sinks=case.get("sinks", False), pool_factor=1.0,
+                        seed=seed)
+
+
+@pytest.mark.parametrize("name", list(GPU_CASES))
+@pytest.mark.gpu
+@needs_two_gpus
+def test_gpu_bf16_parity_long_prefixes(nccl, name):
+    rank, world = nccl
+    case = GPU_CASES[name]
+    p = _gpu_problem(case, seed=20)
+    lp = shard_problem(p, world, rank, case["mode"], case.get("block"))
+    dst = case.get("dst")
+    cp = ContextParallelVerify(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
+                               p.batch_size, "cuda", draft_rank=case.get("draft_rank", 0), dst=dst,
+                               partial_dtype=case.get("partial_dtype"))
+    plan = cp.plan(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer, lp.qo_indptr, lp.kv_indptr,
+                   lp.kv_indices, lp.custom_mask, lp.mask_indptr, lp.is_causal, sm_scale=lp.sm_scale,
+                   sinks=lp.sinks, return_lse=True, check=True)
+    res = plan.run(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer, out=lp.new_output())
+    torch.cuda.synchronize()
+    del lp
+    ok, msg = True, ""
+    if plan.merges:
+        out, lse = res
+        ref_o, ref_s = reference_for(p, return_lse=True)
+        try:
+            err = assert_close(out, ref_o, torch.bfloat16, f"rank {rank}")
+            lse_err = (lse.double() - ref_s).abs().max().item()
+            ok = lse_err < LSE_TOL[torch.bfloat16]
+            msg = f"rank {rank}: relative error {err:.2e}, LSE error {lse_err:.2e}"
+        except AssertionError as failure:
+            ok, msg = False, str(failure)
+        print(msg)
+    else:
+        ok, msg = res is None, f"rank {rank} does not merge but returned {type(res)}"
+    _agree(ok, msg)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("entry", ["plan", "function"])
+def test_gpu_graph_capture_and_replay(nccl, entry):
+    """Capture kernel + all-gather + merge in one CUDA graph; replay on fresh data in the same buffers."""
+    rank, world = nccl
+    case = dict(shape=(32, 8, 128), prefix_lens=[65536, 30000, 5, 100000], extend_lens=4, mask="tree")
+    p = _gpu_problem(case, seed=30)
+    lp = shard_problem(p, world, rank, "chunk")
+    out = lp.new_output()
+    if entry == "plan":
+        cp = ContextParallelVerify(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
+                                   p.batch_size, "cuda")
+        plan = cp.plan(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer, lp.qo_indptr,
+                       lp.kv_indptr, lp.kv_indices, lp.custom_mask, lp.mask_indptr, lp.is_causal,
+                       sm_scale=lp.sm_scale)
+
+        def step():
+            plan.run(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer, out=out)
+    else:
+        def step():
+            cp_verify_attention(*lp.args(out), sm_scale=lp.sm_scale, max_bs=8)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: compiles, creates the NCCL communicator, plans
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    import torch.distributed as dist
+
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    errors = []
+    for seed in (31, 32, 33):
+        fresh = _gpu_problem(case, seed=seed)
+        lf = shard_problem(fresh, world, rank, "chunk")
+        for name in ("q_extend", "k_extend", "v_extend", "k_buffer", "v_buffer", "kv_indices", "custom_mask"):
+            getattr(lp, name).copy_(getattr(lf, name))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        try:
+            errors.append(assert_close(out, reference_for(fresh), torch.bfloat16, f"replay, seed {seed}"))
+        except AssertionError as failure:
+            errors.append(str(failure))
+        del fresh, lf
+    msg = f"rank {rank} ({entry}): replay errors {errors}"
+    print(msg)
+    _agree(all(isinstance(e, float) for e in errors), msg)
