@@ -68,23 +68,50 @@ def _stream_key(device: torch.device) -> Tuple[int, int]:
     return (index, torch._C._cuda_getCurrentRawStream(index))
 
 
-def counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The zeroed tile counters of ``device``'s current stream (at least ``tiles`` of them).
+#: Per device: ``[zeroed int32 arena, next free entry]``; per-stream counters are cut from it.
+_ARENAS: Dict[int, list] = {}
+#: Counters per arena (4 MB): room for many streams' arrays before another is needed.
+ARENA_COUNTERS = 1 << 20
 
-    Allocated with ``torch.zeros`` on first use per stream and grown (never
-    shrunk) by doubling; the kernel leaves every counter it uses at zero.
-    An array outgrown while a captured graph still uses it stays referenced
-    by that graph's kernel arguments only, so outgrown arrays are kept too
-    (a few KB each).
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def counters(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
+    """The zeroed tile counters of ``device``'s current stream (at least ``tiles``), or ``None``.
+
+    Each stream gets its own array, a slice of a per-device arena that was
+    zeroed (and synchronised) when it was allocated; the kernel leaves every
+    counter it uses at zero again, so an array stays zeroed between launches.
+    A stream first seen *inside* a CUDA-graph capture takes a fresh slice of
+    the existing arena: nothing is allocated or zeroed then (a zeroing
+    recorded into the graph would not have run before the graph's first
+    kernel). Only when no arena has room while capturing does this return
+    ``None``, and the plan merges in a second launch instead, which needs no
+    counters. Arrays and arenas are never freed (a captured graph may still
+    use them; a few KB per stream).
     """
     key = _stream_key(device)
     arr = _COUNTERS.get(key)
-    if arr is None or arr.numel() < tiles:
-        size = max(_MIN_COUNTERS, 1 << (tiles - 1).bit_length())
-        if arr is not None:
-            _OUTGROWN.append(arr)
-        arr = torch.zeros(size, dtype=torch.int32, device=device)
-        _COUNTERS[key] = arr
+    if arr is not None and arr.numel() >= tiles:
+        return arr
+    size = max(_MIN_COUNTERS, 1 << (tiles - 1).bit_length())
+    arena = _ARENAS.get(key[0])
+    if arena is None or arena[1] + size > arena[0].numel():
+        if _capturing(device):
+            return None
+        if arena is not None:
+            _OUTGROWN.append(arena[0])
+        arena = [torch.zeros(max(ARENA_COUNTERS, size), dtype=torch.int32, device=device), 0]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # zeroed before any stream uses a slice of it
+        _ARENAS[key[0]] = arena
+    if arr is not None:
+        _OUTGROWN.append(arr)
+    arr = arena[0][arena[1]: arena[1] + size]
+    arena[1] += size
+    _COUNTERS[key] = arr
     return arr
 
 
@@ -440,10 +467,10 @@ class VerifyPlan:
         """Whether the last program can merge alone: at most ``FUSED_MAX_MERGE`` floats to read."""
         return self.n_splits * self.config.block_m * self.runner.v_head_dim <= FUSED_MAX_MERGE
 
-    def _pick_launchers(self) -> None:
-        """One launch (merge in the kernel) for few slices, else verify + spread merge."""
+    def _pick_launchers(self, spread: bool = False) -> None:
+        """One launch (merge in the kernel) for few slices, else (or if ``spread``) verify + spread merge."""
         r, cfg = self.runner, self.config
-        self.fused = r.one_launch and self._fusable()
+        self.fused = r.one_launch and self._fusable() and not spread
         pdl = self._pdl and not self.fused
         consts = dict(self._constexprs, FUSED_MERGE=self.fused and self.n_splits > 1, USE_PDL=pdl,
                       DOT_PRECISION=self._constexprs["DOT_PRECISION"])
@@ -522,6 +549,9 @@ class VerifyPlan:
         else:
             parts = torch.empty(self._part_rows * (r.v_head_dim + 1), dtype=torch.float32, device=self.device)
             cnt = counters(self.device, self._tiles) if self.fused else parts  # only the one-launch merge counts
+            if cnt is None:  # a new stream inside a capture and no zeroed counters left: merge in a second launch
+                self._pick_launchers(spread=True)
+                cnt = parts
             lse_offset = self._part_rows * r.v_head_dim
         lse_arg = lse if lse is not None else out
         self._launch(self.grid, (

@@ -29,6 +29,7 @@ import time
 import torch
 
 from . import tuning
+from .bench import Timer
 from .kernel import TileConfig, block_m_for, rows_per_tile
 from .runner import VerifySplitKV
 from .testing import MODEL_SHAPES, make_problem
@@ -41,18 +42,8 @@ KV_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def graph_time_us(fn) -> float:
-    """Median µs of CUDA-graph replays of ``fn`` (warmed up outside capture)."""
-    import triton.testing
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return 1e3 * triton.testing.do_bench(graph.replay, warmup=5, rep=30, return_mode="median")
+    """Median µs of CUDA-graph replays of ``fn``, timed as the benchmark times them."""
+    return Timer(warmup_ms=5.0, rep_ms=30.0).graph(fn)
 
 
 def programs_per_sm_of(kernel, num_warps: int) -> int:

@@ -578,3 +578,39 @@ def test_property_random_shapes(prefix_lens, extend_len, kv_heads, group, head_d
         mask=mask, seed=seed, device=DEVICE,
     )
     assert_matches_reference(run_runner(p, n_splits), p)
+
+
+def test_counters_for_a_stream_first_seen_inside_a_capture(monkeypatch):
+    """No zeroing may be recorded into a graph: a new stream inside a capture takes a
+    slice of an arena zeroed earlier, or the plan merges in a second launch."""
+    import splitkv.runner as runner_mod
+
+    p = make_problem([300, 97], 4, 8, 2, 64, dtype=torch.float32, device=DEVICE, seed=11)
+    r = VerifySplitKV(8, 2, 64, 64, 4, 2, DEVICE, n_splits=4)
+
+    def plan():
+        return r.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr,
+                      p.kv_indptr, p.kv_indices, sm_scale=p.sm_scale)
+
+    monkeypatch.setattr(runner_mod, "_COUNTERS", {})
+    monkeypatch.setattr(runner_mod, "_ARENAS", {})
+    monkeypatch.setattr(runner_mod, "_capturing", lambda device: True)
+    pl = plan()
+    assert pl.fused
+    out = pl.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer)
+    assert not pl.fused, "with no arena to cut from inside a capture, the plan must merge in a second launch"
+    assert not runner_mod._ARENAS, "nothing may be allocated inside a capture"
+    assert_matches_reference(out, p)
+
+    monkeypatch.setattr(runner_mod, "_capturing", lambda device: False)
+    plan().run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer)  # eager: the arena is made
+    arena = next(iter(runner_mod._ARENAS.values()))[0]
+    monkeypatch.setattr(runner_mod, "_COUNTERS", {})  # a stream never seen before...
+    monkeypatch.setattr(runner_mod, "_capturing", lambda device: True)  # ...inside a capture
+    pl = plan()
+    out = pl.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer)
+    assert pl.fused, "a slice of the zeroed arena serves the new stream"
+    arr = next(iter(runner_mod._COUNTERS.values()))
+    assert arr.data_ptr() != arena.data_ptr() and arr.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+    assert int(arr.count_nonzero()) == 0
+    assert_matches_reference(out, p)
