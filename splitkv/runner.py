@@ -323,7 +323,7 @@ class VerifySplitKV:
             attend_draft: ``False`` attends to the prefix only (a context-parallel
                 shard that does not own the draft block).
             check: validate values too (:func:`splitkv.checks.check_verify_values`;
-                reads the device, so not under graph capture).
+                it reads the device, so it is skipped while the stream is being captured).
 
         Raises:
             ValueError: on malformed input or shapes this runner was not built for.
@@ -340,7 +340,7 @@ class VerifySplitKV:
             raise ValueError(f"batch of {dims.batch_size} exceeds this runner's max_bs={self.max_bs}")
         if dims.num_tokens > dims.batch_size * self.max_len_extend:
             raise ValueError(f"{dims.num_tokens} draft rows exceed batch_size x max_len_extend")
-        if check:
+        if check and not _capturing(q_extend.device):
             check_verify_values(qo_indptr, kv_indptr, kv_indices, k_buffer.shape[0], self.max_len_extend,
                                 custom_mask, mask_indptr, num_tokens=dims.num_tokens)
         return VerifyPlan(self, q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,

@@ -75,6 +75,7 @@ NOTEBOOKS = [
     "04_the_two_kernels",
     "05_parity",
     "06_performance",
+    "07_context_parallel",
 ]
 
 
