@@ -10,7 +10,7 @@ size of the prefixes) every rank draws the same global problem on its GPU, then:
 
 * ``single_us``: the whole prefix on one GPU (:class:`splitkv.VerifySplitKV`,
   every rank times its own copy, rank 0's is reported);
-* the rank keeps only its shard (:func:`splitkv.parallel.shard_problem`,
+* the rank keeps only its shard (:func:`splitkv.testing.parallel.shard_problem`,
   contiguous chunks by default) in a pool of its own, and the
   context-parallel step (:class:`splitkv.parallel.ContextParallelVerify`) is
   timed whole (``cp_us``: local kernel + all-gather + merge) and by stage:
@@ -49,7 +49,8 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .parallel import ContextParallelVerify, shard_problem
+from .parallel import ContextParallelVerify
+from .testing.parallel import shard_problem
 from .runner import VerifySplitKV
 from .testing.problem import MODEL_SHAPES, VerifyProblem
 from .testing.reference import relative_error

@@ -22,17 +22,8 @@ import torch
 
 from conftest import CUDA, TOLERANCE
 from splitkv import VerifySplitKV, verify_attention
-from splitkv.parallel import (
-    ContextParallelVerify,
-    cp_verify_attention,
-    launch_local,
-    run_cases,
-    shard_mask,
-    shard_owner,
-    shard_prefix,
-    shard_problem,
-    simulate_context_parallel,
-)
+from splitkv.parallel import ContextParallelVerify, cp_verify_attention, shard_mask, shard_owner, shard_prefix
+from splitkv.testing.parallel import launch_local, run_cases, shard_problem, simulate_context_parallel
 from splitkv.testing import make_problem, reference_for, relative_error
 
 #: LSE budgets (absolute, natural log) against the float64 oracle.
