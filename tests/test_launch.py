@@ -1,0 +1,16 @@
+"""The direct launcher's cache key: everything the JIT specialises on, nothing else."""
+
+import torch
+
+from splitkv.launch import _specialization
+
+
+def test_key_follows_dtype_alignment_and_integer_specialisation():
+    a = torch.zeros(64, dtype=torch.float16)
+    base = _specialization((a, 32, 7, 1.5))
+    assert _specialization((torch.zeros(64, dtype=torch.float16), 48, 9, 2.5)) == base  # same classes
+    assert _specialization((a.to(torch.float32), 32, 7, 1.5)) != base  # dtype
+    assert _specialization((a[1:], 32, 7, 1.5)) != base  # a 2-byte offset breaks 16-byte alignment
+    assert _specialization((a, 33, 7, 1.5)) != base  # no longer a multiple of 16
+    assert _specialization((a, 32, 1, 1.5)) != base  # 1 is specialised
+    assert _specialization((a, 32, 2**31, 1.5)) != base  # past 32 bits: an i64 argument
