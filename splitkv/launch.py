@@ -24,7 +24,7 @@ with an older Triton every call takes the ordinary JIT path.
 
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Dict, Sequence, Tuple
 
 import torch
 
