@@ -61,6 +61,7 @@ try:  # the seed's tile shape: TileConfig moved from splitkv.partials to splitkv
 except ImportError:  # pragma: no cover - older layout
     from .partials import TileConfig
 from .runner import VerifySplitKV
+from .testing.graphs import capture_graph
 from .testing.problem import MODEL_SHAPES, VerifyProblem, make_problem
 from .testing.reference import relative_error
 
@@ -307,14 +308,7 @@ class Timer:
         """Median µs of replays of a CUDA graph holding one call of ``fn``."""
         fn()  # compile / warm up
         _sync()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph = capture_graph(fn)
         try:
             return self._bench(graph.replay)
         finally:

@@ -50,6 +50,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from .parallel import ContextParallelVerify
+from .testing.graphs import capture_graph
 from .testing.parallel import shard_problem
 from .runner import VerifySplitKV
 from .testing.problem import MODEL_SHAPES, VerifyProblem
@@ -167,17 +168,7 @@ class LockstepTimer:
         """A CUDA graph of one call of ``fn`` (warmed up eagerly on a side stream first)."""
         fn()
         torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        torch.cuda.synchronize()
-        return graph
+        return capture_graph(fn)
 
     def replay_us(self, graph: torch.cuda.CUDAGraph) -> float:
         """Median µs per replay of ``graph``, the largest over ranks."""

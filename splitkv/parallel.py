@@ -61,12 +61,12 @@ Ranks (``draft_rank``, ``dst``) are ranks *within* ``group``.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .api import _checking
 from .checks import check_verify_inputs, check_verify_values
 from .gate import decline_reason
 from .merge import merge_states
@@ -560,10 +560,6 @@ def clear_cp_caches() -> None:
     _CP_PLANS.clear()
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def cp_verify_attention(
     q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
     qo_indptr, kv_indptr, kv_indices, custom_mask, is_causal, mask_indptr, max_len_extend,
@@ -597,9 +593,7 @@ def cp_verify_attention(
     dims = check_verify_inputs(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr,
                                kv_indices, custom_mask if rank == draft_rank else None,
                                mask_indptr if rank == draft_rank else None, max_len_extend, sinks)
-    if check is None:
-        check = os.environ.get("SPLITKV_CHECK", "0") not in ("", "0")
-    check = bool(check) and not _capturing()
+    check = _checking(check)
     bs = dims.batch_size
     max_bs = max(max_bs or 1, bs)
     rkey = (id(group), rank, world, str(q_extend.device), dims.num_q_heads, dims.num_kv_heads, dims.head_dim,
