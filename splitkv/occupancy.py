@@ -49,7 +49,8 @@ __all__ = [
     "split_keys",
     "head_tiles",
     "verify_programs",
-    "partials_programs",
+    "GpuLaunch",
+    "gpu_launch",
     "MergeProgram",
     "fused_merge",
     "merge_programs",
@@ -225,6 +226,46 @@ def head_tiles(
     return (num_q_heads // per_tile) * cdiv(per_tile * max_len_extend, block_m)
 
 
+@dataclass(frozen=True)
+class GpuLaunch:
+    """What :class:`splitkv.VerifySplitKV` launches on a GPU for one call shape.
+
+    Attributes:
+        cfg: the tile shape (:class:`splitkv.kernel.TileConfig`) from the H200 table.
+        head_tiles: tiles per sequence.
+        n_splits: the grid's slices (the adaptive chooser).
+        programs_per_sm: what the chooser assumes an SM holds.
+        min_split: the kernel's shortest slice, in keys.
+    """
+
+    cfg: object
+    head_tiles: int
+    n_splits: int
+    programs_per_sm: int
+    min_split: int
+
+
+def gpu_launch(num_q_heads: int, num_kv_heads: int, head_dim: int, batch: int, prefix: int, *,
+               max_len_extend: int = 4, num_sms: int = 132, kv_bytes: int = 2) -> GpuLaunch:
+    """The runner's GPU launch for ``batch`` sequences of ``prefix`` keys, computed on any machine.
+
+    The same rules as :meth:`splitkv.VerifySplitKV.config` and
+    :meth:`~splitkv.VerifySplitKV.n_splits` on a GPU (under the interpreter
+    the runner itself uses small tiles and short slices instead), with the
+    H200 table of :mod:`splitkv.tuning`. ``kv_bytes``: pool element size.
+    """
+    from .kernel import tile_config
+    from .splits import choose_n_splits
+    from .tuning import TUNED, programs_per_sm
+
+    cfg = tile_config(head_dim, head_dim, rows=num_q_heads // num_kv_heads * max_len_extend, kv_bytes=kv_bytes)
+    tiles = head_tiles(num_q_heads, num_kv_heads, max_len_extend, cfg.block_m)
+    pps = programs_per_sm(head_dim, cfg.block_m, kv_bytes)
+    n = choose_n_splits(batch, tiles, prefix, num_sms, programs_per_sm=pps,
+                        min_split_tokens=TUNED["min_split_tokens"])
+    return GpuLaunch(cfg, tiles, n, pps, min_split_for(cfg.block_n))
+
+
 def verify_programs(
     prefix_lens: Sequence[int],
     extend_lens: Sequence[int],
@@ -288,10 +329,6 @@ def verify_programs(
                     programs.append(Program(index, b, tile, m, split, pre, draft, rows, used))
                     index += 1
     return programs
-
-
-#: The former name (from the two-kernel design, whose first kernel wrote "partials").
-partials_programs = verify_programs
 
 
 def fused_merge(n_splits: int, block_m: int, v_head_dim: int, one_launch: bool = True) -> bool:

@@ -32,7 +32,7 @@ from splitkv.occupancy import (
     head_tiles,
     min_split_for,
     n_used,
-    partials_programs,
+    gpu_launch,
     prefix_bytes_read,
     schedule,
     scratch_bytes,
@@ -151,10 +151,6 @@ def test_prefix_only_launch_has_no_draft_keys():
     progs = verify_programs([100, 0], [3, 2], 4, 2, 3, block_m=16, block_n=16, min_split=32, attend_draft=False)
     assert all(p.draft_keys == 0 for p in progs)
     assert sum(p.prefix_keys for p in progs) == 100 * 2
-
-
-def test_former_name_still_works():
-    assert partials_programs is verify_programs
 
 
 def test_row_blocks_past_the_drafts_do_nothing():
@@ -400,3 +396,20 @@ def test_fixed_slices_with_a_workspace():
     p = make_problem([300, 0, 129, 128], [2, 3, 1, 2], 4, 2, 16, dtype=torch.float32, device=DEVICE, seed=6)
     plan = _check_against_kernel(p, split_tokens=128, max_splits=cdiv(p.kv_indices.shape[0], 128))
     assert plan.n_splits == cdiv(p.kv_indices.shape[0], 128)
+
+
+def test_gpu_launch_is_what_the_runner_launches_on_a_gpu(monkeypatch):
+    """The notebooks' any-machine view of a GPU launch agrees with the runner under GPU rules."""
+    import splitkv.runner as runner_mod
+    from splitkv import VerifySplitKV, tuning
+    from splitkv.testing import MODEL_SHAPES
+
+    monkeypatch.setattr(runner_mod, "interpreting", lambda: False)
+    monkeypatch.setattr(runner_mod, "min_split_tokens", lambda: tuning.TUNED["min_split_tokens"])
+    for s in MODEL_SHAPES.values():
+        for bs, prefix in ((1, 4096), (8, 16384), (32, 65536)):
+            g = gpu_launch(s.num_q_heads, s.num_kv_heads, s.head_dim, bs, prefix, num_sms=132)
+            r = VerifySplitKV(s.num_q_heads, s.num_kv_heads, s.head_dim, s.head_dim, 4, bs, DEVICE, num_sms=132)
+            assert r.config(torch.bfloat16) == g.cfg
+            assert r.head_tiles == g.head_tiles
+            assert r.n_splits(bs, prefix) == g.n_splits
