@@ -128,11 +128,9 @@ def _plan_for(args, features, max_bs, split_tokens, return_lse, one_launch=True)
         max_bs=max_bs, split_tokens=split_tokens,
     )
     if reason is None:
-        bs = qo.shape[0] - 1
         runner = get_runner(q, k, v, max_len_extend, max_bs, split_tokens, one_launch)
         plan = runner.plan(q, k, v, kb, vb, qo, kvp, kvi, cm, mi, is_causal, sm_scale=features["sm_scale"],
                            k_scale=k_scale, v_scale=v_scale, sinks=sinks, return_lse=return_lse)
-        assert plan.batch_size == bs
     else:
         plan = reason
     if key is not None and isinstance(k_scale, (int, float)) and isinstance(v_scale, (int, float)):

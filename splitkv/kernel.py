@@ -51,6 +51,15 @@ back to 0, so the next launch (a CUDA-graph replay too) finds it zeroed
 without a memset. Attention sinks add ``exp(sink)`` to the denominator once,
 at the end.
 
+Or in a second launch. One program reading every slice of its tile is slow
+when there are many (small batches cut short prefixes into dozens of
+slices). Past ``splitkv.runner.FUSED_MAX_MERGE`` partial floats per tile the
+runner launches this kernel with ``FUSED_MERGE = False`` (programs only
+publish) and then ``_merge_kernel``, whose grid spreads each tile's merge over
+blocks of rows and columns, as a programmatic dependent launch (it starts
+while this grid drains and waits for it in hardware). Both merges share
+``_tile_slices`` and ``_merge_rows``: same slices, same order, same bits.
+
 Memory layout. Pool rows ``[pool_tokens, H_KV, D]`` are gathered through
 ``kv_indices``; K is loaded transposed (``[D, BLOCK_N]``) for the dot. Scratch
 (float32) is per tile and slice, so the merging program reads one block::

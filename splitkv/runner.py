@@ -20,9 +20,10 @@ tile that the kernel's last program uses to find out it is last (see
   and keeps its address for every replay; on two streams at once each call
   gets its own; and it returns to the cache when the call is over, so
   memory never grows with streams or batch sizes. The counters must start at
-  zero and be kept between calls: they live in a small per-(device, stream)
-  array (:func:`counters`, 4 bytes per tile), zeroed once when first used,
-  and left zeroed by every launch.
+  zero and be kept between calls: each stream gets a slice (4 bytes per
+  tile) of a per-device arena zeroed before any capture (:func:`counters`),
+  and every launch leaves them zeroed. The spread merge (a second launch,
+  see :mod:`splitkv.kernel`) needs no counters.
 * a caller-owned ``workspace`` (see :func:`workspace_bytes`), for engines
   that allocate everything up front: counters and partials are carved from
   it, nothing is allocated per call. The caller allocates it zeroed
