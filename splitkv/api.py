@@ -86,29 +86,43 @@ def get_runner(q_extend, k_extend, v_extend, max_len_extend: int, max_bs: int,
     return runner
 
 
-def _signature(q, k, v, o, kb, vb, qo, kvp, kvi, cm, mi, sinks, scalars):
-    """Everything the gate and the plan depend on, except kv_indices' length and tensor values."""
-    t = (q, k, v, o, kb, vb)
+def _small(t):
+    """Shape, dtype and device of an optional metadata tensor."""
+    return None if t is None else (t.shape, t.dtype, t.get_device())
+
+
+def _signature(q, k, v, o, kb, vb, qo, kvp, kvi, cm, mi, sinks, last, offsets, scalars):
+    """Everything the gate and the plan depend on, except kv_indices' length and tensor values.
+
+    Written out flat: it runs on every eager call.
+    """
     return (
-        tuple(x.shape for x in t), tuple(x.stride() for x in t), tuple(x.dtype for x in t),
-        tuple(x.get_device() for x in (q, k, v, o, kb, vb, qo, kvp, kvi)),
-        qo.shape, qo.dtype, kvp.shape, kvp.dtype, kvi.dim(), kvi.dtype,
-        None if cm is None else (cm.shape, cm.dtype, cm.get_device(), mi.shape, mi.dtype, mi.get_device()),
-        None if sinks is None else (sinks.shape, sinks.dtype, sinks.get_device()),
+        q.shape, q.stride(), q.dtype, q.get_device(),
+        k.shape, k.stride(), k.dtype, k.get_device(),
+        v.shape, v.stride(), v.dtype, v.get_device(),
+        o.shape, o.stride(), o.dtype, o.get_device(),
+        kb.shape, kb.stride(), kb.dtype, kb.get_device(),
+        vb.shape, vb.stride(), vb.dtype, vb.get_device(),
+        qo.shape, qo.dtype, qo.get_device(), kvp.shape, kvp.dtype, kvp.get_device(),
+        kvi.dim(), kvi.dtype, kvi.get_device(),
+        None if cm is None else (_small(cm), _small(mi)),
+        None if sinks is None else _small(sinks),
+        None if last is None else _small(last),
+        None if offsets is None else _small(offsets),
         scalars,
     )
 
 
-def _plan_for(args, features, max_bs, split_tokens, return_lse, one_launch=True):
+def _plan_for(args, features, max_bs, split_tokens, return_lse, one_launch=True, kv_last_page_len=None):
     """The cached plan for a drop-in call, or the gate's reason to decline."""
     (q, k, v, o, kb, vb, qo, kvp, kvi, cm, is_causal, mi, max_len_extend, k_scale, v_scale) = args
-    sinks = features["sinks"]
-    scalars = (is_causal, max_len_extend, k_scale, v_scale, features["sm_scale"], features["logit_cap"],
-               features["skip_prefix_custom_mask"], features["sliding_window_size"],
-               features["window_kv_offsets"] is None, features["xai_temperature_len"], max_bs, split_tokens,
-               return_lse, one_launch)
+    f = features
+    sinks, offsets = f["sinks"], f["window_kv_offsets"]
+    scalars = (is_causal, max_len_extend, k_scale, v_scale, f["sm_scale"], f["logit_cap"],
+               f["skip_prefix_custom_mask"], f["sliding_window_size"], f["xai_temperature_len"], max_bs,
+               split_tokens, return_lse, one_launch)
     try:
-        key = _signature(q, k, v, o, kb, vb, qo, kvp, kvi, cm, mi, sinks, scalars)
+        key = _signature(q, k, v, o, kb, vb, qo, kvp, kvi, cm, mi, sinks, kv_last_page_len, offsets, scalars)
         hash(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable scalars: let the gate say why
         key = None
@@ -117,20 +131,22 @@ def _plan_for(args, features, max_bs, split_tokens, return_lse, one_launch=True)
         if plan is not None:
             _PLANS.move_to_end(key)
             if isinstance(plan, VerifyPlan):
-                plan.rebind(qo, kvp, kvi, cm, mi, sinks)
+                plan.rebind(qo, kvp, kvi, cm, mi, sinks, kv_last_page_len, offsets)
             return plan
     reason = decline_reason(
         q, k, v, kb, vb, qo, kvp, kvi, cm, is_causal, mi, max_len_extend,
-        features["sliding_window_size"], sinks, features["logit_cap"], features["xai_temperature_len"],
-        skip_prefix_custom_mask=features["skip_prefix_custom_mask"],
-        window_kv_offsets=features["window_kv_offsets"],
-        k_scale=k_scale, v_scale=v_scale, sm_scale=features["sm_scale"], o_extend=o,
-        max_bs=max_bs, split_tokens=split_tokens,
+        f["sliding_window_size"], sinks, f["logit_cap"], f["xai_temperature_len"],
+        skip_prefix_custom_mask=f["skip_prefix_custom_mask"], window_kv_offsets=offsets,
+        k_scale=k_scale, v_scale=v_scale, sm_scale=f["sm_scale"], o_extend=o,
+        max_bs=max_bs, split_tokens=split_tokens, kv_last_page_len=kv_last_page_len,
     )
     if reason is None:
         runner = get_runner(q, k, v, max_len_extend, max_bs, split_tokens, one_launch)
-        plan = runner.plan(q, k, v, kb, vb, qo, kvp, kvi, cm, mi, is_causal, sm_scale=features["sm_scale"],
-                           k_scale=k_scale, v_scale=v_scale, sinks=sinks, return_lse=return_lse)
+        plan = runner.plan(q, k, v, kb, vb, qo, kvp, kvi, cm, mi, is_causal, sm_scale=f["sm_scale"],
+                           k_scale=k_scale, v_scale=v_scale, sinks=sinks, return_lse=return_lse,
+                           logit_cap=f["logit_cap"], sliding_window_size=f["sliding_window_size"],
+                           window_kv_offsets=offsets, xai_temperature_len=f["xai_temperature_len"],
+                           kv_last_page_len=kv_last_page_len)
     else:
         plan = reason
     if key is not None and isinstance(k_scale, (int, float)) and isinstance(v_scale, (int, float)):
@@ -138,6 +154,14 @@ def _plan_for(args, features, max_bs, split_tokens, return_lse, one_launch=True)
         if len(_PLANS) > PLAN_CACHE_SIZE:
             _PLANS.popitem(last=False)
     return plan
+
+
+def _check_values(args, kv_last_page_len) -> None:
+    """The checked mode's value checks for a call's positional arguments."""
+    (q, _, _, _, kb, _, qo, kvp, kvi, cm, _, mi, max_len_extend, _, _) = args
+    check_verify_values(qo, kvp, kvi, kb.shape[0], max_len_extend, cm, mi, num_tokens=q.shape[0],
+                        kv_last_page_len=kv_last_page_len,
+                        page_size=kb.shape[1] if kv_last_page_len is not None else 1)
 
 
 def verify_splitkv_fwd(
@@ -166,6 +190,7 @@ def verify_splitkv_fwd(
     max_bs=None,
     split_tokens=None,
     check=None,
+    kv_last_page_len=None,
 ) -> bool:
     """Drop-in for ``extend_attention_fwd`` on the target-verify shape.
 
@@ -180,11 +205,11 @@ def verify_splitkv_fwd(
         k_extend: draft keys ``[tokens, H_KV, D]``.
         v_extend: draft values ``[tokens, H_KV, Dv]``.
         o_extend: output ``[tokens, H_Q, Dv]``, written in place.
-        k_buffer: the key pool ``[pool_tokens, H_KV, D]``.
-        v_buffer: the value pool ``[pool_tokens, H_KV, Dv]``.
+        k_buffer: the key pool ``[pool_tokens, H_KV, D]`` (paged: ``[pages, page_size, H_KV, D]``).
+        v_buffer: the value pool ``[pool_tokens, H_KV, Dv]`` (paged: ``[pages, page_size, H_KV, Dv]``).
         qo_indptr: ``[bs + 1]`` draft rows of each sequence.
         kv_indptr: ``[bs + 1]`` ranges of ``kv_indices`` per sequence.
-        kv_indices: pool slots of the prefixes, int32 or int64.
+        kv_indices: pool slots (paged: page ids) of the prefixes, int32 or int64.
         custom_mask: ``None`` or the flat tree mask (rows ``[prefix | drafts]``).
         is_causal: causal draft block when ``custom_mask`` is ``None``.
         mask_indptr: ``[bs + 1]`` start of each sequence's mask.
@@ -192,19 +217,23 @@ def verify_splitkv_fwd(
         k_scale: key-pool dequantisation multiplier (a Python number).
         v_scale: value-pool dequantisation multiplier (a Python number).
         sm_scale: softmax scale, default ``1 / sqrt(D)``.
-        logit_cap: as in ``extend_attention_fwd``; declined when > 0.
+        logit_cap: as in ``extend_attention_fwd`` (``> 0``: scores ``cap * tanh(s / cap)``).
         skip_prefix_custom_mask: as in ``extend_attention_fwd``; declined when
             ``False`` with a ``custom_mask``.
-        sliding_window_size: as in ``extend_attention_fwd``; declined when > 0.
+        sliding_window_size: as in ``extend_attention_fwd`` (``> 0``: the query at
+            position ``p`` sees keys at ``>= p - W``; only those slices are read).
         sinks: optional ``[H_Q]`` attention-sink logits.
-        window_kv_offsets: as in ``extend_attention_fwd``; declined when given.
-        xai_temperature_len: as in ``extend_attention_fwd``; declined when > 0.
+        window_kv_offsets: as in ``extend_attention_fwd`` (column offsets of the
+            ``custom_mask`` rows).
+        xai_temperature_len: as in ``extend_attention_fwd``.
         max_bs: the largest batch this shape will see (default: this batch).
         split_tokens: a fixed slice length in tokens (a multiple of 128): the
             batch-invariant mode, where a sequence's output is bitwise the same
             whatever batch it runs in. Default: adaptive slices.
         check: validate metadata values (default: ``SPLITKV_CHECK``); see the
             module docstring.
+        kv_last_page_len: ``[bs]`` rows used in each sequence's last page: the
+            pools are paged (see :mod:`splitkv.paged`). Default: a token pool.
 
     Returns:
         ``True`` if ``o_extend`` was written, ``False`` if the call was declined.
@@ -220,17 +249,16 @@ def verify_splitkv_fwd(
                     xai_temperature_len=xai_temperature_len)
     bs = qo_indptr.shape[0] - 1 if isinstance(qo_indptr, torch.Tensor) else 0
     checking = _checking(check)
-    plan = _plan_for(args, features, max(max_bs or 1, bs), split_tokens, False)
+    plan = _plan_for(args, features, max(max_bs or 1, bs), split_tokens, False,
+                     kv_last_page_len=kv_last_page_len)
     if not isinstance(plan, VerifyPlan):
         if checking and plan.startswith("malformed input"):
             # Name the bad sequence and field where the values say it.
-            check_verify_values(qo_indptr, kv_indptr, kv_indices, k_buffer.shape[0], max_len_extend,
-                                custom_mask, mask_indptr, num_tokens=q_extend.shape[0])
+            _check_values(args, kv_last_page_len)
             raise ValueError(plan)
         return False
     if checking:
-        check_verify_values(qo_indptr, kv_indptr, kv_indices, k_buffer.shape[0], max_len_extend,
-                            custom_mask, mask_indptr, num_tokens=q_extend.shape[0])
+        _check_values(args, kv_last_page_len)
     plan.run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out=o_extend)
     plan.release()
     return True
@@ -264,6 +292,7 @@ def verify_attention(
     check=True,
     return_lse=False,
     one_launch=True,
+    kv_last_page_len=None,
 ):
     """Verify attention that is always right: split-KV when it applies, else the baseline.
 
@@ -277,6 +306,10 @@ def verify_attention(
             ``[tokens, H_Q]`` float32 (the sinks included): the state
             :func:`splitkv.merge_states` merges. Needs the split path.
         one_launch: see :class:`splitkv.VerifySplitKV` (the custom op passes ``False``).
+        kv_last_page_len: ``[bs]`` rows used in each sequence's last page, for
+            paged pools. Where the split path declines a paged call, the
+            baseline runs on the pool seen as a token pool (expanding the page
+            table reads the device: not inside CUDA-graph capture).
 
     Returns:
         ``o_extend`` (or the new output), fully written for every draft row;
@@ -299,22 +332,22 @@ def verify_attention(
     dims = check_verify_inputs(
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
         qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, max_len_extend, sinks,
+        kv_last_page_len=kv_last_page_len,
     )
-    if _checking(check):
-        check_verify_values(qo_indptr, kv_indptr, kv_indices, k_buffer.shape[0], max_len_extend,
-                            custom_mask, mask_indptr, num_tokens=dims.num_tokens)
     args = (
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
         qo_indptr, kv_indptr, kv_indices, custom_mask, is_causal, mask_indptr,
         max_len_extend, k_scale, v_scale,
     )
+    if _checking(check):
+        _check_values(args, kv_last_page_len)
     features = dict(
         sm_scale=sm_scale, logit_cap=logit_cap, skip_prefix_custom_mask=skip_prefix_custom_mask,
         sliding_window_size=sliding_window_size, sinks=sinks,
         window_kv_offsets=window_kv_offsets, xai_temperature_len=xai_temperature_len,
     )
     plan = _plan_for(args, features, max(max_bs or 1, dims.batch_size), split_tokens, bool(return_lse),
-                     one_launch)
+                     one_launch, kv_last_page_len)
     if isinstance(plan, VerifyPlan):
         result = plan.run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out=o_extend)
         plan.release()
@@ -323,5 +356,11 @@ def verify_attention(
         raise ValueError(plan)
     if return_lse:
         raise NotImplementedError(f"return_lse needs the split path, which declines this call: {plan}")
+    if kv_last_page_len is not None:
+        from .paged import flat_pool, token_indices
+
+        page_size = k_buffer.shape[1]
+        tok_indptr, tok_indices = token_indices(kv_indptr, kv_indices, kv_last_page_len, page_size)
+        args = args[:4] + (flat_pool(k_buffer), flat_pool(v_buffer), qo_indptr, tok_indptr, tok_indices) + args[9:]
     extend_attention_fwd(*args, **features)
     return o_extend

@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Dims", "check_verify_inputs", "check_verify_values", "interpreting", "ACT_DTYPES", "KV_DTYPES"]
+__all__ = ["Dims", "check_verify_inputs", "check_verify_values", "check_features", "interpreting", "ACT_DTYPES",
+           "KV_DTYPES"]
 
 #: dtypes of queries, draft K/V and outputs.
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -40,6 +41,8 @@ class Dims:
     num_kv_heads: int
     head_dim: int
     v_head_dim: int
+    #: keys per ``kv_indices`` entry: 1 for a token pool, else the page size
+    page_size: int = 1
 
     @property
     def group(self) -> int:
@@ -64,10 +67,13 @@ def check_verify_inputs(
     mask_indptr=None,
     max_len_extend=None,
     sinks: Optional[torch.Tensor] = None,
+    kv_last_page_len: Optional[torch.Tensor] = None,
 ) -> Dims:
     """Validate a verify/extend call; return its :class:`Dims`.
 
     ``o_extend`` may be ``None`` (the gate checks inputs before an output exists).
+    With ``kv_last_page_len`` the pools are paged: ``k_buffer``/``v_buffer``
+    are ``[pages, page_size, H_KV, D]`` and ``kv_indices`` holds page ids.
 
     Raises ``ValueError`` on mismatched devices, dtypes, ranks, head counts or
     head dims, on a non-unit last-dimension stride, or on CPU tensors outside
@@ -87,6 +93,9 @@ def check_verify_inputs(
     if sinks is not None:
         names.append("sinks")
         tensors.append(sinks)
+    if kv_last_page_len is not None:
+        names.append("kv_last_page_len")
+        tensors.append(kv_last_page_len)
     for name, t in zip(names, tensors):
         if not isinstance(t, torch.Tensor):
             _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -97,12 +106,34 @@ def check_verify_inputs(
     if device.type == "cpu" and not interpreting():
         _fail("CPU tensors run only through the Triton interpreter: set TRITON_INTERPRET=1")
 
-    dense = list(zip(names[:5], tensors[:5]))
+    page_size = 1
+    if kv_last_page_len is not None:
+        for name, t in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+            if t.dim() != 4:
+                _fail(f"{name} must be 4-D [pages, page_size, heads, head_dim] with kv_last_page_len, "
+                      f"got shape {tuple(t.shape)}")
+            if t.stride(3) != 1 and t.shape[3] > 1:
+                _fail(f"{name} must have a unit stride in its last dimension, got {t.stride()}")
+        page_size = k_buffer.shape[1]
+        if v_buffer.shape[1] != page_size or page_size < 1:
+            _fail(f"k_buffer and v_buffer pages must hold the same positive number of tokens, "
+                  f"got {k_buffer.shape[1]} and {v_buffer.shape[1]}")
+        if kv_last_page_len.dim() != 1 or kv_last_page_len.dtype not in INDEX_DTYPES:
+            _fail(f"kv_last_page_len must be a 1-D int32/int64 tensor, got {kv_last_page_len.dtype} "
+                  f"of shape {tuple(kv_last_page_len.shape)}")
+        if kv_last_page_len.shape[0] != qo_indptr.shape[0] - 1:
+            _fail(f"kv_last_page_len must have batch_size = {qo_indptr.shape[0] - 1} entries, "
+                  f"got {kv_last_page_len.shape[0]}")
+        # Heads and head dims are checked below on [pages, heads, dims].
+        k_buffer, v_buffer = k_buffer[:, 0], v_buffer[:, 0]
+    dense = [("q_extend", q_extend), ("k_extend", k_extend), ("v_extend", v_extend),
+             ("k_buffer", k_buffer), ("v_buffer", v_buffer)]
     if o_extend is not None:
         dense.append(("o_extend", o_extend))
     for name, t in dense:
         if t.dim() != 3:
-            _fail(f"{name} must be 3-D [tokens, heads, head_dim], got shape {tuple(t.shape)}")
+            hint = " (a paged pool needs kv_last_page_len)" if t.dim() == 4 and name.endswith("buffer") else ""
+            _fail(f"{name} must be 3-D [tokens, heads, head_dim], got shape {tuple(t.shape)}{hint}")
         if t.stride(2) != 1 and t.shape[2] > 1:
             _fail(f"{name} must have a unit stride in its last dimension, got {t.stride()}")
     index = list(zip(names[5:8], tensors[5:8]))
@@ -161,7 +192,35 @@ def check_verify_inputs(
             or max_len_extend < 0
         ):
             _fail(f"max_len_extend must be a non-negative Python int, got {max_len_extend!r}")
-    return Dims(bs, n_tok, h_q, h_kv, d, dv)
+    return Dims(bs, n_tok, h_q, h_kv, d, dv, page_size)
+
+
+def check_features(dims: Dims, logit_cap=0.0, sliding_window_size=-1, window_kv_offsets=None,
+                   xai_temperature_len=-1, device=None) -> None:
+    """Validate the score features of a verify call (Python scalars and shapes only).
+
+    Raises ``ValueError`` for a non-finite or negative ``logit_cap``, a
+    non-integer window, ``xai_temperature_len == 1`` (its ``log2`` is 0), or
+    ``window_kv_offsets`` that is not a 1-D int32/int64 ``[bs]`` tensor on
+    the inputs' device.
+    """
+    import math
+
+    if logit_cap is None or isinstance(logit_cap, bool) or not isinstance(logit_cap, numbers.Real) \
+            or not math.isfinite(logit_cap) or logit_cap < 0:
+        _fail(f"logit_cap must be a finite Python number >= 0 (0: off), got {logit_cap!r}")
+    for name, value in (("sliding_window_size", sliding_window_size), ("xai_temperature_len", xai_temperature_len)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            _fail(f"{name} must be a Python int (<= 0: off), got {value!r}")
+    if xai_temperature_len == 1:
+        _fail("xai_temperature_len must be <= 0 (off) or >= 2: log2(1) is 0")
+    if window_kv_offsets is not None:
+        w = window_kv_offsets
+        if (not isinstance(w, torch.Tensor) or w.dim() != 1 or w.dtype not in INDEX_DTYPES
+                or w.shape[0] != dims.batch_size or (device is not None and w.device != device)):
+            _fail(f"window_kv_offsets must be a 1-D int32/int64 tensor of {dims.batch_size} entries "
+                  f"on the inputs' device, got {getattr(w, 'dtype', type(w).__name__)} "
+                  f"of shape {tuple(getattr(w, 'shape', ()))}")
 
 
 def _first_bad(bad: torch.Tensor) -> int:
@@ -179,6 +238,8 @@ def check_verify_values(
     custom_mask=None,
     mask_indptr=None,
     num_tokens: Optional[int] = None,
+    kv_last_page_len=None,
+    page_size: int = 1,
 ) -> None:
     """Validate the *values* of a verify call's metadata (the checked mode).
 
@@ -188,7 +249,9 @@ def check_verify_values(
     most ``max_len_extend``; every slot ``kv_indices[kv_indptr[0]:kv_indptr[-1]]``
     is in ``[0, pool_tokens)``; with a ``custom_mask``, each sequence's mask
     (``n_draft x (n_prefix + n_draft)`` entries from ``mask_indptr[b]``) lies
-    inside it.
+    inside it. Paged pools (``kv_last_page_len`` given): ``kv_indices`` are
+    page ids in ``[0, pool_tokens)`` (the pool's pages), and each sequence's
+    last page holds ``1 .. page_size`` rows (0 when it has no page).
 
     It reads device values (a few small reductions and one copy to the host),
     so it cannot run inside CUDA-graph capture: the production entries skip
@@ -221,9 +284,18 @@ def check_verify_values(
         raise ValueError(
             f"sequence {seq}: kv_indices[{pos}] = {int(used[pos])} is outside the pool [0, {pool_tokens})"
         )
+    n_prefix = kv[1:] - kv[:-1]
+    if kv_last_page_len is not None:
+        last = kv_last_page_len.to(torch.int64)
+        lo = (n_prefix > 0).to(torch.int64)  # a sequence with pages uses at least one row of its last
+        hi = torch.where(n_prefix > 0, page_size, 0)
+        b = _first_bad((last < lo) | (last > hi))
+        if b >= 0:
+            raise ValueError(f"sequence {b}: kv_last_page_len = {int(last[b])} is outside "
+                             f"[{int(lo[b])}, {int(hi[b])}] for its {int(n_prefix[b])} pages")
+        n_prefix = torch.clamp(n_prefix - 1, min=0) * page_size + last
     if custom_mask is not None:
         mp = mask_indptr.to(torch.int64)
-        n_prefix = kv[1:] - kv[:-1]
         end = mp[:-1] + n_draft * (n_prefix + n_draft)
         b = _first_bad((mp[:-1] < 0) | (end > custom_mask.numel()))
         if b >= 0:

@@ -6,9 +6,13 @@ The split path computes exactly what ``extend_attention_fwd`` computes when
   prefix: ``custom_mask is None`` or ``skip_prefix_custom_mask``),
 * the draft block is causal, fully visible, or given by ``custom_mask``
   (chains at speculative ``topk == 1`` and trees at ``topk > 1`` alike:
-  stage 1 reads the draft block's mask in the kernel),
-* scores are plain scaled dot products (no ``logit_cap``, no sliding window,
-  no xai temperature), with optional attention ``sinks``.
+  the kernel reads the draft block's mask),
+
+with any of the score features: ``logit_cap``, a sliding window (with
+``window_kv_offsets``), xai temperature, attention ``sinks``, k/v scales; on
+a token pool or a paged pool (``kv_last_page_len``). So it declines only a
+custom mask on the prefix, sizes past a launch limit, bfloat16 under the
+interpreter, and malformed input.
 
 The gate decides from shapes, dtypes, devices and Python scalars alone. It
 never reads a tensor's values: the verify step runs inside captured CUDA
@@ -25,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from .checks import check_verify_inputs
+from .checks import check_features, check_verify_inputs
 from .kernel import block_m_for, rows_per_tile
 from .occupancy import head_tiles
 from .splits import MAX_GRID_SPLITS, fixed_n_splits
@@ -67,23 +71,16 @@ def decline_reason(
     o_extend=None,
     max_bs=None,
     split_tokens=None,
+    kv_last_page_len=None,
 ) -> Optional[str]:
     """Why the split path declines this call, or ``None`` if it serves it.
 
     Same arguments as :func:`can_handle`.
 
     Returns:
-        A short reason (``"logit_cap"``, ``"malformed input: ..."``, ...), or
+        A short reason (``"malformed input: ..."``, ``"launch limit: ..."``, ...), or
         ``None`` when the split path serves the call exactly.
     """
-    if logit_cap is not None and logit_cap > 0:
-        return "logit_cap"
-    if sliding_window_size is not None and sliding_window_size > 0:
-        return "sliding window"
-    if window_kv_offsets is not None:
-        return "window_kv_offsets"
-    if xai_temperature_len is not None and xai_temperature_len > 0:
-        return "xai temperature"
     if custom_mask is not None and not skip_prefix_custom_mask:
         return "custom mask on the prefix (skip_prefix_custom_mask=False)"
     for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -95,8 +92,10 @@ def decline_reason(
         dims = check_verify_inputs(
             q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
             qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr,
-            max_len_extend, sinks,
+            max_len_extend, sinks, kv_last_page_len=kv_last_page_len,
         )
+        check_features(dims, logit_cap, sliding_window_size, window_kv_offsets, xai_temperature_len,
+                       q_extend.device)
     except ValueError as err:
         return f"malformed input: {err}"
     if not 1 <= max_len_extend <= MAX_DRAFT_TOKENS:
@@ -105,30 +104,31 @@ def decline_reason(
         return "malformed input: more draft rows than batch_size * max_len_extend"
     if q_extend.device.type == "cpu" and q_extend.dtype == torch.bfloat16:
         return "bfloat16 under the Triton interpreter (its bf16 tl.dot is wrong)"
-    return _launch_limit(dims, max_len_extend, kv_indices.shape[0], max_bs, split_tokens)
+    return _launch_limit(dims, max_len_extend, kv_indices.shape[0] * dims.page_size, max_bs, split_tokens)
 
 
-def _launch_limit(dims, max_len_extend: int, kv_len: int, max_bs, split_tokens) -> Optional[str]:
+def _launch_limit(dims, max_len_extend: int, keys: int, max_bs, split_tokens) -> Optional[str]:
     """Why a launch for these sizes would exceed a CUDA or 32-bit limit, or ``None``.
 
     The grid is ``(batch x head_tiles, n_splits)``: axis 0 holds up to
     ``2^31 - 1`` programs, axis 1 (slices) up to 65535. Adaptive slices are at
-    most 64; fixed slices are ``cdiv(len(kv_indices), split_tokens)``. Pool
-    rows, draft rows and mask positions are 64-bit in the kernel; positions
-    in ``kv_indices`` are 32-bit.
+    most 64; fixed slices are ``cdiv(keys, split_tokens)``, ``keys`` being
+    ``len(kv_indices)`` times the page size (1 for a token pool). Pool rows,
+    draft rows and mask positions are 64-bit in the kernel; key positions
+    are 32-bit.
     """
     block_m = block_m_for(rows_per_tile(dims.group, max_len_extend))
     tiles = max(dims.batch_size, max_bs or 0) * head_tiles(
         dims.num_q_heads, dims.num_kv_heads, max_len_extend, block_m)
     if tiles >= 2**31:
         return f"launch limit: {tiles} tiles exceed CUDA's 2^31 - 1 programs on grid axis 0"
-    if kv_len >= 2**31:
-        return f"launch limit: {kv_len} kv_indices exceed 32-bit positions"
+    if keys >= 2**31:
+        return f"launch limit: {keys} prefix keys exceed 32-bit positions"
     if split_tokens is not None:
         if not isinstance(split_tokens, int) or split_tokens < 128 or split_tokens % 128:
             return f"split_tokens must be a positive multiple of 128, got {split_tokens!r}"
-        if fixed_n_splits(kv_len, split_tokens) > MAX_GRID_SPLITS:
-            return (f"launch limit: {fixed_n_splits(kv_len, split_tokens)} slices of {split_tokens} tokens "
+        if fixed_n_splits(keys, split_tokens) > MAX_GRID_SPLITS:
+            return (f"launch limit: {fixed_n_splits(keys, split_tokens)} slices of {split_tokens} tokens "
                     f"exceed CUDA's {MAX_GRID_SPLITS} on grid axis 1")
     return None
 
@@ -157,6 +157,7 @@ def can_handle(
     v_scale=1.0,
     sm_scale=None,
     o_extend=None,
+    kv_last_page_len=None,
 ) -> bool:
     """True iff the split-KV path computes exactly what ``extend_attention_fwd`` would.
 
@@ -179,16 +180,17 @@ def can_handle(
         is_causal: causal draft block when there is no ``custom_mask``.
         mask_indptr: ``[bs + 1]`` start of each sequence's mask.
         max_len_extend: most draft tokens of any sequence (in ``[1, 64]``).
-        sliding_window_size: declined when > 0.
+        sliding_window_size: ``> 0``: sliding window (served).
         sinks: ``None`` or ``[H_Q]`` sink logits (served).
-        logit_cap: declined when > 0.
-        xai_temperature_len: declined when > 0.
+        logit_cap: ``> 0``: logit cap (served).
+        xai_temperature_len: ``> 0``: xai temperature (served; 1 is malformed).
         skip_prefix_custom_mask: declined when ``False`` with a ``custom_mask``.
-        window_kv_offsets: declined when given.
+        window_kv_offsets: ``[bs]`` mask column offsets (served).
         k_scale: must be a finite Python number.
         v_scale: must be a finite Python number.
         sm_scale: ``None`` or a finite Python number.
         o_extend: the output, checked when given.
+        kv_last_page_len: ``[bs]`` rows used in each last page, for a paged pool.
 
     Returns:
         ``True`` when the split path serves the call exactly.
@@ -202,6 +204,7 @@ def can_handle(
             skip_prefix_custom_mask=skip_prefix_custom_mask,
             window_kv_offsets=window_kv_offsets,
             k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale, o_extend=o_extend,
+            kv_last_page_len=kv_last_page_len,
         )
         is None
     )

@@ -91,7 +91,8 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+def _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, cap2, temperature,
+                 HAS_LOGIT_CAP: tl.constexpr, HAS_XAI_TEMP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax step over a tile of keys.
 
     ``q [BLOCK_M, D]`` against ``k [D, BLOCK_N]`` (stored transposed), values
@@ -99,8 +100,17 @@ def _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, DOT_PRECISION: tl.co
     running row maximum ``m_i`` (base 2), row sum ``l_i`` and unnormalised
     output ``acc`` are rescaled by ``2^(m_old - m_new)`` when the maximum grows.
     A row that has seen no visible key keeps ``m_i = -inf`` and ``l_i = 0``.
+
+    Score transforms, in base 2 (``s2 = s * log2(e)``): the logit cap
+    ``cap * tanh(s / cap)`` is ``cap2 * tanh(s2 / cap2)`` with
+    ``cap2 = cap * log2(e)``; the xai temperature multiplies row ``r`` by
+    ``temperature[r]``.
     """
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+    if HAS_LOGIT_CAP:
+        s = cap2 * (2.0 * tl.sigmoid(2.0 * s / cap2) - 1.0)  # tanh(x) = 2 sigmoid(2x) - 1
+    if HAS_XAI_TEMP:
+        s = s * temperature[:, None]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # Shift by 0 where a row is still empty: avoids (-inf) - (-inf) = NaN.
@@ -135,14 +145,19 @@ def _finish(acc, m_i, l_i, sink2, HAS_SINKS: tl.constexpr):
 
 
 @triton.jit
-def _tile_slices(tile, qo_indptr, kv_indptr, num_tokens, kv_len, n_splits, min_split,
+def _tile_slices(tile, qo_indptr, kv_indptr, Last_Page_Len, num_tokens, kv_len, n_splits, min_split, window,
                  HEAD_TILES: tl.constexpr, M_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 SPLIT_TOKENS: tl.constexpr):
+                 SPLIT_TOKENS: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Where tile ``tile`` works: its sequence, draft rows, prefix, and slicing.
 
     Returns ``(b, head_tile, m_block, q_start, n_draft, kv_start, n_prefix,
-    split_len, n_used)``. Metadata is clamped to the tensors it indexes (see
-    "Bounds"); the verify kernel and the merge kernel compute the same values.
+    first_key, split_len, n_used)``. ``kv_start`` is the sequence's first
+    entry of ``kv_indices`` (a slot, or a page id in a paged pool);
+    ``n_prefix`` counts keys. Slices cover keys ``[first_key, n_prefix)``:
+    ``first_key`` is 0, or under a sliding window the first key any draft
+    token sees, rounded down to a whole key tile. Metadata is clamped to the
+    tensors it indexes (see "Bounds"); the verify kernel and the merge kernel
+    compute the same values.
     """
     b = tile // (HEAD_TILES * M_BLOCKS)
     head_tile = (tile // M_BLOCKS) % HEAD_TILES
@@ -151,18 +166,30 @@ def _tile_slices(tile, qo_indptr, kv_indptr, num_tokens, kv_len, n_splits, min_s
     q_end = tl.minimum(tl.maximum(tl.load(qo_indptr + b + 1), q_start), num_tokens)
     kv_start = tl.minimum(tl.maximum(tl.load(kv_indptr + b), 0), kv_len)
     kv_end = tl.minimum(tl.maximum(tl.load(kv_indptr + b + 1), kv_start), kv_len)
-    n_prefix = kv_end - kv_start
-    if SPLIT_TOKENS > 0:
-        split_len = SPLIT_TOKENS + n_prefix * 0
+    if PAGE_SIZE == 1:
+        n_prefix = kv_end - kv_start
     else:
-        split_len = tl.maximum(tl.cdiv(tl.cdiv(n_prefix, n_splits), BLOCK_N) * BLOCK_N, min_split)
-    n_used = tl.maximum(tl.cdiv(n_prefix, split_len), 1)
+        # Full pages, then the last page's used rows (FlashInfer's convention).
+        n_pages = kv_end - kv_start
+        last = tl.minimum(tl.maximum(tl.load(Last_Page_Len + b), 0), PAGE_SIZE)
+        n_prefix = tl.where(n_pages > 0, (n_pages - 1) * PAGE_SIZE + last, 0)
+    first_key = n_prefix * 0
+    if HAS_WINDOW:
+        # Draft 0 (position n_prefix) sees keys >= n_prefix - window; later drafts see fewer.
+        first_key = tl.maximum(n_prefix - window, 0) // BLOCK_N * BLOCK_N
+    n_keys = n_prefix - first_key
+    if SPLIT_TOKENS > 0:
+        split_len = SPLIT_TOKENS + n_keys * 0
+    else:
+        split_len = tl.maximum(tl.cdiv(tl.cdiv(n_keys, n_splits), BLOCK_N) * BLOCK_N, min_split)
+    n_used = tl.maximum(tl.cdiv(n_keys, split_len), 1)
     if SPLIT_TOKENS > 0:
         # The host sizes the grid so this never binds; if it did, stay exact.
-        split_len = tl.where(n_used > n_splits, tl.cdiv(tl.cdiv(n_prefix, n_splits), BLOCK_N) * BLOCK_N,
+        split_len = tl.where(n_used > n_splits, tl.cdiv(tl.cdiv(n_keys, n_splits), BLOCK_N) * BLOCK_N,
                              split_len)
         n_used = tl.minimum(n_used, n_splits)
-    return b, head_tile, m_block, q_start, q_end - q_start, kv_start, n_prefix, split_len, n_used
+    return (b, head_tile, m_block, q_start, q_end - q_start, kv_start, n_prefix, first_key,
+            split_len, n_used)
 
 
 @triton.jit
@@ -197,25 +224,29 @@ def _merge_rows(Part_O, Part_LSE, first, n_used, r, row_ok, offs_dv, dv_ok,
     return acc, m, den
 
 
-@triton.jit(do_not_specialize=["lse_offset", "num_tokens", "pool_tokens", "kv_len", "mask_len", "n_splits", "min_split"])
+@triton.jit(do_not_specialize=["lse_offset", "num_tokens", "pool_tokens", "kv_len", "mask_len", "n_splits",
+                               "min_split", "window", "xai_len"])
 def _verify_kernel(
     Q, K_Ext, V_Ext, K_Buf, V_Buf, O, LSE_Out,
-    qo_indptr, kv_indptr, kv_indices, Mask, mask_indptr, Sinks,
+    qo_indptr, kv_indptr, kv_indices, Last_Page_Len, Mask, mask_indptr, Mask_Offsets, Sinks,
     Part_O, lse_offset, Counters,  # scratch: partial outputs, then (at lse_offset) partial LSEs
     qk_scale_prefix,  # sm_scale * k_scale * log2(e)
     qk_scale_draft,  # sm_scale * log2(e)
     v_scale,
+    cap2,  # logit_cap * log2(e)
     num_tokens,  # rows of q/k/v_extend and o_extend
-    pool_tokens,  # rows of k_buffer/v_buffer
+    pool_tokens,  # rows (token pool) or pages (paged pool) of k_buffer/v_buffer
     kv_len,  # entries of kv_indices
     mask_len,  # entries of custom_mask
     n_splits,  # grid axis 1
     min_split,  # adaptive mode: fewest keys per slice (a multiple of BLOCK_N)
+    window,  # sliding window: a query at position p sees keys at positions >= p - window
+    xai_len,  # xai temperature length
     stride_qt, stride_qh,
     stride_ket, stride_keh,
     stride_vet, stride_veh,
-    stride_kbt, stride_kbh,
-    stride_vbt, stride_vbh,
+    stride_kbt, stride_kbr, stride_kbh,  # pool: slot (or page), row within a page, head
+    stride_vbt, stride_vbr, stride_vbh,
     stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
@@ -228,9 +259,14 @@ def _verify_kernel(
     BLOCK_N_DRAFT: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,  # 1: token pool (kv_indices are slots); else kv_indices are page ids
     SPLIT_TOKENS: tl.constexpr,  # > 0: fixed slice length (batch-invariant mode)
     USE_MASK: tl.constexpr,  # draft visibility from custom_mask
+    HAS_MASK_OFFSETS: tl.constexpr,  # window_kv_offsets shift each sequence's mask columns
     IS_CAUSAL: tl.constexpr,  # else causal if set, else every draft token visible
+    HAS_WINDOW: tl.constexpr,
+    HAS_LOGIT_CAP: tl.constexpr,
+    HAS_XAI_TEMP: tl.constexpr,
     ATTEND_DRAFT: tl.constexpr,  # False: prefix only (context-parallel shards)
     HAS_SINKS: tl.constexpr,
     WRITE_LSE: tl.constexpr,
@@ -243,9 +279,9 @@ def _verify_kernel(
     split = tl.program_id(1)
     Part_LSE = Part_O + lse_offset
     HEAD_TILES: tl.constexpr = NUM_Q_HEADS // HEADS_PER_TILE
-    b, head_tile, m_block, q_start, n_draft, kv_start, n_prefix, split_len, n_used = _tile_slices(
-        tile, qo_indptr, kv_indptr, num_tokens, kv_len, n_splits, min_split,
-        HEAD_TILES, M_BLOCKS, BLOCK_N, SPLIT_TOKENS)
+    b, head_tile, m_block, q_start, n_draft, kv_start, n_prefix, first_key, split_len, n_used = _tile_slices(
+        tile, qo_indptr, kv_indptr, Last_Page_Len, num_tokens, kv_len, n_splits, min_split, window,
+        HEAD_TILES, M_BLOCKS, BLOCK_N, SPLIT_TOKENS, PAGE_SIZE, HAS_WINDOW)
     kv_head = head_tile * HEADS_PER_TILE // GROUP
     if (split < n_used) & (m_block * BLOCK_M < n_draft * HEADS_PER_TILE):
         # Query rows: draft token l, query head h (see the module docstring).
@@ -258,35 +294,60 @@ def _verify_kernel(
         offs_dv = tl.arange(0, BLOCK_DV)
         d_ok = offs_d < HEAD_DIM
         dv_ok = offs_dv < V_HEAD_DIM
+        q_pos = n_prefix + l  # absolute position of each query row
 
         q = tl.load(
             Q + (q_start + l).to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
             mask=row_ok[:, None] & d_ok[None, :], other=0.0,
         )
+        temperature = tl.full([BLOCK_M], 1.0, tl.float32)
+        if HAS_XAI_TEMP:
+            # Queries past position xai_len: scores x log2(p) / log2(xai_len).
+            temperature = tl.where(q_pos > xai_len,
+                                   tl.log2(tl.maximum(q_pos, 1).to(tl.float32)) / tl.log2(xai_len.to(tl.float32)),
+                                   1.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-        # 1. This slice of the prefix: every key visible.
-        lo = split * split_len
+        # 1. This slice of the prefix: every key visible (or those inside the window).
+        lo = first_key + split * split_len
         hi = tl.minimum(lo + split_len, n_prefix)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             n_ok = offs_n < hi
-            # Gather: the pool row of key n is kv_indices[kv_start + n].
-            slot = tl.load(kv_indices + kv_start + offs_n, mask=n_ok, other=0).to(tl.int64)
-            n_ok = n_ok & (slot >= 0) & (slot < pool_tokens)
+            # Gather. Token pool: key n is row kv_indices[kv_start + n]. Paged pool:
+            # key n is row n % PAGE_SIZE of page kv_indices[kv_start + n // PAGE_SIZE].
+            if PAGE_SIZE == 1:
+                slot = tl.load(kv_indices + kv_start + offs_n, mask=n_ok, other=0).to(tl.int64)
+                n_ok = n_ok & (slot >= 0) & (slot < pool_tokens)
+                k_row = slot * stride_kbt
+                v_row = slot * stride_vbt
+            else:
+                if PAGE_SIZE % BLOCK_N == 0:
+                    # Tiles start at multiples of BLOCK_N: the whole tile is in one page.
+                    page = tl.load(kv_indices + kv_start + start // PAGE_SIZE).to(tl.int64)
+                    n_ok = n_ok & ((offs_n * 0 + page) >= 0) & ((offs_n * 0 + page) < pool_tokens)
+                else:
+                    page = tl.load(kv_indices + kv_start + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+                    n_ok = n_ok & (page >= 0) & (page < pool_tokens)
+                in_page = offs_n % PAGE_SIZE
+                k_row = page * stride_kbt + in_page * stride_kbr
+                v_row = page * stride_vbt + in_page * stride_vbr
             k = tl.load(
-                K_Buf + slot[None, :] * stride_kbt + kv_head * stride_kbh + offs_d[:, None],
+                K_Buf + k_row[None, :] + kv_head * stride_kbh + offs_d[:, None],
                 mask=n_ok[None, :] & d_ok[:, None], other=0.0,
             )
             v = tl.load(
-                V_Buf + slot[:, None] * stride_vbt + kv_head * stride_vbh + offs_dv[None, :],
+                V_Buf + v_row[:, None] + kv_head * stride_vbh + offs_dv[None, :],
                 mask=n_ok[:, None] & dv_ok[None, :], other=0.0,
             )
+            visible = n_ok[None, :]
+            if HAS_WINDOW:
+                visible = visible & (q_pos[:, None] <= offs_n[None, :] + window)
             m_i, l_i, acc = _attend_tile(
-                q, k.to(q.dtype), v.to(q.dtype), n_ok[None, :], qk_scale_prefix,
-                m_i, l_i, acc, DOT_PRECISION,
+                q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale_prefix, m_i, l_i, acc,
+                cap2, temperature, HAS_LOGIT_CAP, HAS_XAI_TEMP, DOT_PRECISION,
             )
         acc = acc * v_scale  # fp8 pools: dequantise V once, on the slice's output
 
@@ -308,16 +369,23 @@ def _verify_kernel(
                     )
                     visible = row_ok[:, None] & j_ok[None, :]
                     if USE_MASK:
-                        # Row l of the sequence's mask spans [prefix keys | draft keys].
-                        pos = (tl.load(mask_indptr + b).to(tl.int64) + l.to(tl.int64)[:, None] * (n_prefix + n_draft)
-                               + n_prefix + j[None, :])
+                        # Row l of the sequence's mask spans [offset | prefix keys | draft keys].
+                        offset = 0
+                        if HAS_MASK_OFFSETS:
+                            offset = tl.load(Mask_Offsets + b).to(tl.int64)
+                        pos = (tl.load(mask_indptr + b).to(tl.int64)
+                               + l.to(tl.int64)[:, None] * (offset + n_prefix + n_draft)
+                               + offset + n_prefix + j[None, :])
                         in_mask = visible & (pos >= 0) & (pos < mask_len)
                         allowed = tl.load(Mask + pos, mask=in_mask, other=0)
                         visible = in_mask & (allowed != 0)
                     elif IS_CAUSAL:
                         visible = visible & (j[None, :] <= l[:, None])
+                    if HAS_WINDOW:
+                        visible = visible & (l[:, None] <= j[None, :] + window)
                     m_i, l_i, acc = _attend_tile(
-                        q, k, v, visible, qk_scale_draft, m_i, l_i, acc, DOT_PRECISION
+                        q, k, v, visible, qk_scale_draft, m_i, l_i, acc,
+                        cap2, temperature, HAS_LOGIT_CAP, HAS_XAI_TEMP, DOT_PRECISION,
                     )
 
         sink2 = 0.0
@@ -354,10 +422,10 @@ def _verify_kernel(
         tl.extra.cuda.gdc_launch_dependents()
 
 
-@triton.jit(do_not_specialize=["lse_offset", "num_tokens", "kv_len", "n_splits", "min_split"])
+@triton.jit(do_not_specialize=["lse_offset", "num_tokens", "kv_len", "n_splits", "min_split", "window"])
 def _merge_kernel(
-    O, LSE_Out, qo_indptr, kv_indptr, Sinks, Part_O, lse_offset,
-    num_tokens, kv_len, n_splits, min_split,
+    O, LSE_Out, qo_indptr, kv_indptr, Last_Page_Len, Sinks, Part_O, lse_offset,
+    num_tokens, kv_len, n_splits, min_split, window,
     stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr,
     HEADS_PER_TILE: tl.constexpr,
@@ -367,7 +435,9 @@ def _merge_kernel(
     BLOCK_N: tl.constexpr,
     MERGE_ROWS: tl.constexpr,  # tile rows per program
     MERGE_DV: tl.constexpr,  # value columns per program
+    PAGE_SIZE: tl.constexpr,
     SPLIT_TOKENS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     MERGE_UNROLL: tl.constexpr,
@@ -384,9 +454,9 @@ def _merge_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     HEAD_TILES: tl.constexpr = NUM_Q_HEADS // HEADS_PER_TILE
-    b, head_tile, m_block, q_start, n_draft, kv_start, n_prefix, split_len, n_used = _tile_slices(
-        tile, qo_indptr, kv_indptr, num_tokens, kv_len, n_splits, min_split,
-        HEAD_TILES, M_BLOCKS, BLOCK_N, SPLIT_TOKENS)
+    b, head_tile, m_block, q_start, n_draft, kv_start, n_prefix, first_key, split_len, n_used = _tile_slices(
+        tile, qo_indptr, kv_indptr, Last_Page_Len, num_tokens, kv_len, n_splits, min_split, window,
+        HEAD_TILES, M_BLOCKS, BLOCK_N, SPLIT_TOKENS, PAGE_SIZE, HAS_WINDOW)
     r = tl.program_id(1) * MERGE_ROWS + tl.arange(0, MERGE_ROWS)
     rows = m_block * BLOCK_M + r
     l = rows // HEADS_PER_TILE

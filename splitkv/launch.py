@@ -17,6 +17,11 @@ directly. Integer arguments that vary from call to call (lengths) are
 declared ``do_not_specialize`` in the kernel, so they never change the
 compiled code.
 
+A caller that knows more can pass its own ``key``: a plan whose integers and
+dtypes are fixed passes what it fixed (computed once) plus the one thing
+that can change from layer to layer, the tensors' 16-byte alignment
+(:func:`alignment_bits`), and skips even the per-argument key.
+
 The fast path needs Triton >= 3.3 (the ``knobs`` module and its launch
 signature); launch hooks (profilers) are honoured. Under the interpreter or
 with an older Triton every call takes the ordinary JIT path.
@@ -35,7 +40,7 @@ try:  # Triton >= 3.3
 except ImportError:  # pragma: no cover - older Triton: always the JIT path
     _knobs = None
 
-__all__ = ["Launcher", "fast_path_available"]
+__all__ = ["Launcher", "fast_path_available", "alignment_bits"]
 
 
 def fast_path_available() -> bool:
@@ -61,6 +66,21 @@ def _specialization(args: Sequence) -> tuple:
     return tuple(key)
 
 
+def alignment_bits(tensors: Sequence[torch.Tensor]) -> int:
+    """Bit ``i`` set when ``tensors[i]`` starts on a 16-byte boundary; ``-1`` when all do.
+
+    The common case (every tensor aligned) costs one pass that ORs the
+    addresses together.
+    """
+    ptrs = [t.data_ptr() for t in tensors]
+    any_ptr = 0
+    for p in ptrs:
+        any_ptr |= p
+    if not any_ptr & 15:
+        return -1
+    return sum(1 << i for i, p in enumerate(ptrs) if not p & 15)
+
+
 class Launcher:
     """One kernel, one set of constexprs and launch options, launched fast.
 
@@ -77,6 +97,8 @@ class Launcher:
         self.options = dict(options)
         self._tail = tuple(self.constexprs.values())
         self._compiled: Dict[tuple, object] = {}
+        self._by_key: Dict[object, object] = {}  # caller-given keys (see the module docstring)
+        self._fast = fast_path_available()
 
     def compiled(self, args: Sequence, grid) -> object:
         """The compiled kernel for ``args`` (compiling it if needed), without launching.
@@ -91,16 +113,24 @@ class Launcher:
             self._compiled[key] = kernel
         return kernel
 
-    def __call__(self, grid: Tuple[int, int, int], args: Sequence, stream=None) -> None:
-        """Launch on the current CUDA stream (or ``stream``, a raw handle)."""
-        if not fast_path_available():
+    def __call__(self, grid: Tuple[int, int, int], args: Sequence, stream=None, key=None) -> None:
+        """Launch on the current CUDA stream (or ``stream``, a raw handle).
+
+        ``key``: optional, hashable, standing for :func:`_specialization` of
+        ``args`` (the caller guarantees equal keys mean equal specialisations).
+        """
+        if not self._fast:
             self.fn[grid](*args, **self.constexprs, **self.options)
             return
-        kernel = self._compiled.get(_specialization(args))
+        kernel = self._by_key.get(key) if key is not None else None
         if kernel is None:
-            kernel = self.compiled(args, grid)
+            kernel = self._compiled.get(_specialization(args))
+            if kernel is None:
+                kernel = self.compiled(args, grid)
+            if key is not None:
+                self._by_key[key] = kernel
         if stream is None:
-            stream = torch.cuda.current_stream().cuda_stream
+            stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
         enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
         # Launch hooks (profilers) get the metadata the JIT path would give them;
         # Triton >= 3.5 keeps them in a chain that is usually empty.

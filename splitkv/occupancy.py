@@ -254,15 +254,20 @@ def gpu_launch(num_q_heads: int, num_kv_heads: int, head_dim: int, batch: int, p
     the runner itself uses small tiles and short slices instead), with the
     H200 table of :mod:`splitkv.tuning`. ``kv_bytes``: pool element size.
     """
-    from .kernel import tile_config
-    from .splits import choose_n_splits
-    from .tuning import TUNED, programs_per_sm
+    from .kernel import TileConfig, tile_config
+    from .splits import choose_n_splits, one_wave_n_splits
+    from .tuning import TUNED, programs_per_sm, small_batch_tile
 
     cfg = tile_config(head_dim, head_dim, rows=num_q_heads // num_kv_heads * max_len_extend, kv_bytes=kv_bytes)
     tiles = head_tiles(num_q_heads, num_kv_heads, max_len_extend, cfg.block_m)
     pps = programs_per_sm(head_dim, cfg.block_m, kv_bytes)
-    n = choose_n_splits(batch, tiles, prefix, num_sms, programs_per_sm=pps,
-                        min_split_tokens=TUNED["min_split_tokens"])
+    small = small_batch_tile(head_dim, cfg.block_m, kv_bytes, batch * tiles, num_sms)
+    if small is not None:
+        cfg, pps = TileConfig(cfg.block_m, *small), 1
+        n = one_wave_n_splits(batch * tiles, prefix, num_sms, min_split_tokens=TUNED["min_split_tokens"])
+    else:
+        n = choose_n_splits(batch, tiles, prefix, num_sms, programs_per_sm=pps,
+                            min_split_tokens=TUNED["min_split_tokens"])
     return GpuLaunch(cfg, tiles, n, pps, min_split_for(cfg.block_n))
 
 

@@ -38,12 +38,12 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .checks import check_verify_inputs, check_verify_values, interpreting
+from .checks import check_features, check_verify_inputs, check_verify_values, interpreting
 from .kernel import LOG2E, TileConfig, _merge_kernel, _verify_kernel, block_m_for, rows_per_tile, tile_config
-from .launch import Launcher
+from .launch import Launcher, _specialization, alignment_bits
 from .occupancy import head_tiles as count_head_tiles
-from .splits import MAX_GRID_SPLITS, MAX_SPLITS, choose_n_splits, device_sm_count, fixed_n_splits
-from .tuning import min_split_tokens, programs_per_sm
+from .splits import MAX_GRID_SPLITS, MAX_SPLITS, choose_n_splits, device_sm_count, fixed_n_splits, one_wave_n_splits
+from .tuning import min_split_tokens, programs_per_sm, small_batch_tile
 
 __all__ = ["VerifySplitKV", "VerifyPlan", "workspace_bytes", "counters"]
 
@@ -265,10 +265,22 @@ class VerifySplitKV:
             # each plan checks that its slices fit
         return MAX_SPLITS
 
-    def config(self, kv_dtype: torch.dtype) -> TileConfig:
-        """The tile shape for a pool of ``kv_dtype``."""
+    def _small_batch(self, batch_size: Optional[int], kv_dtype: torch.dtype):
+        """The small-launch tile for ``batch_size`` sequences, or ``None`` (see :mod:`splitkv.splits`)."""
+        if (batch_size is None or self._config is not None or self.fixed_n_splits is not None
+                or self.split_tokens is not None or interpreting()):
+            return None
+        kv_bytes = torch.empty((), dtype=kv_dtype).element_size()
+        return small_batch_tile(max(self.head_dim, self.v_head_dim), self.block_m, kv_bytes,
+                                batch_size * self.head_tiles, self.num_sms)
+
+    def config(self, kv_dtype: torch.dtype, batch_size: Optional[int] = None) -> TileConfig:
+        """The tile shape for a pool of ``kv_dtype`` (and a batch of ``batch_size``, if given)."""
         if self._config is not None:
             return self._config
+        small = self._small_batch(batch_size, kv_dtype)
+        if small is not None:
+            return TileConfig(self.block_m, *small)
         return tile_config(self.head_dim, self.v_head_dim, rows_per_tile(self.heads_per_tile, self.max_len_extend),
                            interpreting(), kv_bytes=torch.empty((), dtype=kv_dtype).element_size())
 
@@ -289,6 +301,9 @@ class VerifySplitKV:
             return self.fixed_n_splits
         if self.split_tokens is not None:
             return fixed_n_splits(batch_size * prefix_len, self.split_tokens)
+        if self._small_batch(batch_size, kv_dtype) is not None:
+            return one_wave_n_splits(batch_size * self.head_tiles, prefix_len, self.num_sms,
+                                     min_split_tokens=min_split_tokens())
         kv_bytes = torch.empty((), dtype=kv_dtype).element_size()
         return choose_n_splits(
             batch_size, self.head_tiles, prefix_len, self.num_sms,
@@ -303,6 +318,8 @@ class VerifySplitKV:
         custom_mask=None, mask_indptr=None, is_causal=True, *,
         sm_scale: Optional[float] = None, k_scale: float = 1.0, v_scale: float = 1.0,
         sinks=None, return_lse: bool = False, attend_draft: bool = True, check: bool = False,
+        logit_cap: float = 0.0, sliding_window_size: int = -1, window_kv_offsets=None,
+        xai_temperature_len: int = -1, kv_last_page_len=None,
     ) -> "VerifyPlan":
         """Check one step's inputs and fix its launch.
 
@@ -325,6 +342,19 @@ class VerifySplitKV:
                 shard that does not own the draft block).
             check: validate values too (:func:`splitkv.checks.check_verify_values`;
                 it reads the device, so it is skipped while the stream is being captured).
+            logit_cap: if ``> 0``, scores ``s`` become ``cap * tanh(s / cap)``.
+            sliding_window_size: if ``> 0``, the query at position ``p`` sees keys
+                at positions ``>= p - sliding_window_size``; only the slices that
+                hold such keys are read.
+            window_kv_offsets: ``[bs]`` column offsets of each sequence's
+                ``custom_mask`` rows (as in ``extend_attention_fwd``; used only
+                with a ``custom_mask``).
+            xai_temperature_len: if ``> 0``, scores of the query at position
+                ``p > len`` are multiplied by ``log2(p) / log2(len)``.
+            kv_last_page_len: ``[bs]`` int32, for a paged pool (``k_buffer`` and
+                ``v_buffer`` of shape ``[pages, page_size, H_KV, D]``; ``kv_indptr``
+                and ``kv_indices`` then describe page ids): the rows used in each
+                sequence's last page (see :mod:`splitkv.paged`).
 
         Raises:
             ValueError: on malformed input or shapes this runner was not built for.
@@ -332,7 +362,9 @@ class VerifySplitKV:
         dims = check_verify_inputs(
             q_extend, k_extend, v_extend, None, k_buffer, v_buffer,
             qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, self.max_len_extend, sinks,
+            kv_last_page_len=kv_last_page_len,
         )
+        check_features(dims, logit_cap, sliding_window_size, window_kv_offsets, xai_temperature_len, q_extend.device)
         want = (self.num_q_heads, self.num_kv_heads, self.head_dim, self.v_head_dim)
         got = (dims.num_q_heads, dims.num_kv_heads, dims.head_dim, dims.v_head_dim)
         if got != want:
@@ -343,10 +375,14 @@ class VerifySplitKV:
             raise ValueError(f"{dims.num_tokens} draft rows exceed batch_size x max_len_extend")
         if check and not _capturing(q_extend.device):
             check_verify_values(qo_indptr, kv_indptr, kv_indices, k_buffer.shape[0], self.max_len_extend,
-                                custom_mask, mask_indptr, num_tokens=dims.num_tokens)
+                                custom_mask, mask_indptr, num_tokens=dims.num_tokens,
+                                kv_last_page_len=kv_last_page_len, page_size=dims.page_size)
         return VerifyPlan(self, q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
                           custom_mask, mask_indptr, is_causal, sm_scale=sm_scale, k_scale=k_scale,
-                          v_scale=v_scale, sinks=sinks, return_lse=return_lse, attend_draft=attend_draft)
+                          v_scale=v_scale, sinks=sinks, return_lse=return_lse, attend_draft=attend_draft,
+                          logit_cap=logit_cap, sliding_window_size=sliding_window_size,
+                          window_kv_offsets=window_kv_offsets, xai_temperature_len=xai_temperature_len,
+                          kv_last_page_len=kv_last_page_len)
 
     def _launcher(self, key: tuple, constexprs: dict, options: dict, fn) -> Launcher:
         launcher = self._launchers.get(key)
@@ -385,7 +421,9 @@ class VerifyPlan:
 
     def __init__(self, runner: VerifySplitKV, q_extend, k_extend, v_extend, k_buffer, v_buffer,
                  qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, is_causal, *,
-                 sm_scale, k_scale, v_scale, sinks, return_lse, attend_draft):
+                 sm_scale, k_scale, v_scale, sinks, return_lse, attend_draft,
+                 logit_cap=0.0, sliding_window_size=-1, window_kv_offsets=None, xai_temperature_len=-1,
+                 kv_last_page_len=None):
         r = runner
         bs = qo_indptr.shape[0] - 1
         n_tok = q_extend.shape[0]
@@ -397,32 +435,40 @@ class VerifyPlan:
         self.dtype = q_extend.dtype
         self.device = q_extend.device
         self.return_lse = return_lse
-        self.config = cfg = r.config(k_buffer.dtype)
+        self.config = cfg = r.config(k_buffer.dtype, bs)
         self._kv_dtype = k_buffer.dtype
         self._tiles = bs * r.head_tiles
+        paged = k_buffer.dim() == 4
+        #: keys per kv_indices entry: 1 (token pool) or the page size
+        self.page_size = k_buffer.shape[1] if paged else 1
+        #: keys a query may see in the prefix (sliding window), else None
+        self.window = int(sliding_window_size) if sliding_window_size is not None and sliding_window_size > 0 else None
         self._size(kv_len)
         if sm_scale is None:
             sm_scale = 1.0 / math.sqrt(r.head_dim)
         use_mask = custom_mask is not None
         min_split = -(-min_split_tokens() // cfg.block_n) * cfg.block_n
+        use_offsets = use_mask and window_kv_offsets is not None
         # Bound metadata: the same tensors every run (their values may change).
-        self._meta = (
-            qo_indptr, kv_indptr, kv_indices,
-            custom_mask if use_mask else kv_indptr,  # placeholder pointer, never read
-            mask_indptr if use_mask else kv_indptr,
-            sinks if sinks is not None else qo_indptr,  # placeholder pointer, never read
-        )
-        self._scales = (float(sm_scale) * float(k_scale) * LOG2E, float(sm_scale) * LOG2E, float(v_scale))
+        self._bind(qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sinks,
+                   kv_last_page_len, window_kv_offsets)
+        self._scales = (float(sm_scale) * float(k_scale) * LOG2E, float(sm_scale) * LOG2E, float(v_scale),
+                        float(logit_cap) * LOG2E if logit_cap and logit_cap > 0 else 0.0)
         self._pool_tokens = min(k_buffer.shape[0], v_buffer.shape[0])
         self._min_split = min_split
-        self._set_scalars(kv_len, custom_mask)
+        has_xai = xai_temperature_len is not None and xai_temperature_len > 0
+        self._features = (self.window or 0, int(xai_temperature_len) if has_xai else 0)
+
+        def pool_strides(buf):  # (slot or page, row within a page, head)
+            return (buf.stride(0), buf.stride(1), buf.stride(2)) if paged else (buf.stride(0), 0, buf.stride(1))
+
         self._strides = (
             q_extend.stride(0), q_extend.stride(1),
             k_extend.stride(0), k_extend.stride(1),
             v_extend.stride(0), v_extend.stride(1),
-            k_buffer.stride(0), k_buffer.stride(1),
-            v_buffer.stride(0), v_buffer.stride(1),
+            *pool_strides(k_buffer), *pool_strides(v_buffer),
         )
+        self._set_scalars(kv_len, custom_mask)
         constexprs = dict(
             NUM_Q_HEADS=r.num_q_heads,
             GROUP=r.num_q_heads // r.num_kv_heads,
@@ -435,9 +481,14 @@ class VerifyPlan:
             BLOCK_N_DRAFT=max(16, min(cfg.block_n, _next_pow2(r.max_len_extend))),
             BLOCK_D=_next_pow2(r.head_dim),
             BLOCK_DV=_next_pow2(r.v_head_dim),
+            PAGE_SIZE=self.page_size,
             SPLIT_TOKENS=r.split_tokens or 0,
             USE_MASK=use_mask,
+            HAS_MASK_OFFSETS=use_offsets,
             IS_CAUSAL=bool(is_causal),
+            HAS_WINDOW=self.window is not None,
+            HAS_LOGIT_CAP=bool(logit_cap and logit_cap > 0),
+            HAS_XAI_TEMP=has_xai,
             ATTEND_DRAFT=bool(attend_draft),
             HAS_SINKS=sinks is not None,
             WRITE_LSE=bool(return_lse),
@@ -446,15 +497,24 @@ class VerifyPlan:
         )
         self._constexprs = constexprs
         self._options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        self._pdl = (self.device.type == "cuda" and not interpreting()
-                     and torch.cuda.get_device_capability(self.device)[0] >= 9)
+        cuda = self.device.type == "cuda"
+        self._pdl = cuda and not interpreting() and torch.cuda.get_device_capability(self.device)[0] >= 9
+        self._dev_index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
+            if cuda else -1
         self._pick_launchers()
 
     def _size(self, kv_len: int) -> None:
         """Split count, grid and scratch for ``kv_len`` entries of ``kv_indices``."""
         r, bs = self.runner, self.batch_size
         self.kv_len = kv_len
-        self.n_splits = r.n_splits(bs, kv_len // bs, self._kv_dtype)
+        if r.split_tokens is not None and r.fixed_n_splits is None:
+            # Fixed slices: enough for the longest possible prefix (every key in one sequence).
+            self.n_splits = fixed_n_splits(kv_len * self.page_size, r.split_tokens)
+        else:
+            prefix = kv_len * self.page_size // bs  # representative keys per sequence
+            if self.window is not None:
+                prefix = min(prefix, self.window + self.config.block_n)  # only the window's slices are read
+            self.n_splits = r.n_splits(bs, prefix, self._kv_dtype)
         self.grid = (self._tiles, self.n_splits, 1)
         if self._tiles >= 2**31 or self.n_splits > MAX_GRID_SPLITS:
             raise ValueError(f"grid {self.grid[:2]} exceeds CUDA's launch limits")
@@ -483,7 +543,8 @@ class VerifyPlan:
             mconsts = dict(NUM_Q_HEADS=c["NUM_Q_HEADS"], HEADS_PER_TILE=c["HEADS_PER_TILE"], M_BLOCKS=c["M_BLOCKS"],
                            V_HEAD_DIM=c["V_HEAD_DIM"], BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
                            MERGE_ROWS=MERGE_ROWS, MERGE_DV=min(MERGE_DV, c["BLOCK_DV"]),
-                           SPLIT_TOKENS=c["SPLIT_TOKENS"], HAS_SINKS=c["HAS_SINKS"], WRITE_LSE=c["WRITE_LSE"],
+                           PAGE_SIZE=c["PAGE_SIZE"], SPLIT_TOKENS=c["SPLIT_TOKENS"], HAS_WINDOW=c["HAS_WINDOW"],
+                           HAS_SINKS=c["HAS_SINKS"], WRITE_LSE=c["WRITE_LSE"],
                            MERGE_UNROLL=c["MERGE_UNROLL"], USE_PDL=pdl)
             moptions = dict(num_warps=2, **({"launch_pdl": True} if pdl else {}))
             self._merge = r._launcher(("merge",) + tuple(mconsts.values()), mconsts, moptions, _merge_kernel)
@@ -493,9 +554,28 @@ class VerifyPlan:
         self._scalars = (
             *self._scales, self.num_tokens, self._pool_tokens, kv_len,
             custom_mask.numel() if custom_mask is not None else 0, self.n_splits, self._min_split,
+            *self._features,
+        )
+        # What the compiled kernel is specialised on, less what run() checks per call (the layer
+        # tensors' dtypes, every tensor's alignment): the metadata's dtypes and the integers,
+        # fixed until the next rebind.
+        self._spec = (tuple(t.dtype for t in self._meta), _specialization(self._scalars + self._strides))
+
+    def _bind(self, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sinks,
+              kv_last_page_len, window_kv_offsets) -> None:
+        use_mask = custom_mask is not None
+        # Placeholders (kv_indptr, qo_indptr) stand for absent tensors: never read.
+        self._meta = (
+            qo_indptr, kv_indptr, kv_indices,
+            kv_last_page_len if kv_last_page_len is not None else kv_indptr,
+            custom_mask if use_mask else kv_indptr,
+            mask_indptr if use_mask else kv_indptr,
+            window_kv_offsets if use_mask and window_kv_offsets is not None else kv_indptr,
+            sinks if sinks is not None else qo_indptr,
         )
 
-    def rebind(self, qo_indptr, kv_indptr, kv_indices, custom_mask=None, mask_indptr=None, sinks=None) -> None:
+    def rebind(self, qo_indptr, kv_indptr, kv_indices, custom_mask=None, mask_indptr=None, sinks=None,
+               kv_last_page_len=None, window_kv_offsets=None) -> None:
         """Point the plan at another step's metadata of the same signature.
 
         The drop-in uses it to reuse one plan across eager steps: the tensors
@@ -509,13 +589,8 @@ class VerifyPlan:
             self._size(kv_len)
             if (self.runner.one_launch and self._fusable()) != fused:
                 self._pick_launchers()
-        use_mask = custom_mask is not None
-        self._meta = (
-            qo_indptr, kv_indptr, kv_indices,
-            custom_mask if use_mask else kv_indptr,
-            mask_indptr if use_mask else kv_indptr,
-            sinks if sinks is not None else qo_indptr,
-        )
+        self._bind(qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sinks,
+                   kv_last_page_len, window_kv_offsets)
         self._set_scalars(kv_len, custom_mask)
 
     def release(self) -> None:
@@ -555,17 +630,24 @@ class VerifyPlan:
                 cnt = parts
             lse_offset = self._part_rows * r.v_head_dim
         lse_arg = lse if lse is not None else out
+        meta = self._meta
+        tensors = (q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg, *meta, parts, cnt)
+        s_ot, s_oh = out.stride(0), out.stride(1)
+        key = (self._spec, q_extend.dtype, k_extend.dtype, v_extend.dtype, k_buffer.dtype, v_buffer.dtype,
+               out.dtype, s_ot, s_oh, alignment_bits(tensors))
+        stream = torch._C._cuda_getCurrentRawStream(self._dev_index) if self._dev_index >= 0 else None
         self._launch(self.grid, (
             q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg,
-            *self._meta, parts, lse_offset, cnt,
-            *self._scalars, *self._strides, out.stride(0), out.stride(1),
-        ))
+            *meta, parts, lse_offset, cnt,
+            *self._scalars, *self._strides, s_ot, s_oh,
+        ), stream, key)
         if self._merge is not None:
-            sc = self._scalars  # (..., num_tokens, pool_tokens, kv_len, mask_len, n_splits, min_split)
+            # scalars: 4 scales, num_tokens, pool_tokens, kv_len, mask_len, n_splits, min_split, window, xai_len
+            sc = self._scalars
             self._merge(self._merge_grid, (
-                out, lse_arg, self._meta[0], self._meta[1], self._meta[5], parts, lse_offset,
-                sc[3], sc[5], sc[7], sc[8], out.stride(0), out.stride(1),
-            ))
+                out, lse_arg, meta[0], meta[1], meta[3], meta[7], parts, lse_offset,
+                sc[4], sc[6], sc[8], sc[9], sc[10], s_ot, s_oh,
+            ), stream)
         return (out, lse) if self.return_lse else out
 
 

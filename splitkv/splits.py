@@ -30,6 +30,12 @@ asked with it rounded up to a multiple of ``min_split_tokens``: as a prefix
 grows token by token from step to step, the answer (and its cache entry)
 changes only every ``min_split_tokens`` tokens.
 
+Small launches. When a batch's tiles are so few that each has eight SMs or
+more to itself (batch 1-2 of an 8-KV-head model on an H200), and the sweep
+measured a deeper-pipelined tile faster there
+(:func:`splitkv.tuning.small_batch_tile`), the runner uses that tile and
+:func:`one_wave_n_splits`: ``num_sms // tiles`` slices, one program per SM.
+
 ``programs_per_sm`` and ``min_split_tokens`` come from the H200 sweep
 (:mod:`splitkv.tuning`). :func:`fixed_n_splits` is the other mode: a fixed
 slice length, which makes every sequence's result independent of the batch
@@ -45,6 +51,7 @@ import torch
 
 __all__ = [
     "choose_n_splits",
+    "one_wave_n_splits",
     "fixed_n_splits",
     "device_sm_count",
     "MAX_SPLITS",
@@ -114,6 +121,17 @@ def _choose(base: int, slots: int, useful: int) -> int:
 
     best = max(efficiency(n) for n in range(1, useful + 1))
     return next(n for n in range(1, useful + 1) if efficiency(n) >= 0.95 * best)
+
+
+def one_wave_n_splits(base: int, prefix_len: int, num_sms: int, *, min_split_tokens: int = 128,
+                      max_splits: int = MAX_SPLITS) -> int:
+    """Slices for a small launch: one program per SM, in one wave.
+
+    ``num_sms // base`` slices (``base`` = batch x head tiles), no more than
+    the prefix has ``min_split_tokens`` slices for, at least 1.
+    """
+    useful = max(1, min(-(-int(prefix_len) // min_split_tokens), max_splits))
+    return max(1, min(useful, num_sms // max(1, base)))
 
 
 def fixed_n_splits(kv_len: int, split_tokens: int) -> int:

@@ -12,9 +12,15 @@ Two sweeps, both timed as CUDA-graph replays with ``triton.testing.do_bench``
    may use (``min_split_tokens``), at the small shapes where it matters
    (batch 1 and 8, prefixes 4k and 16k, the three models); the value with the
    lowest geometric-mean time wins.
+3. Small launches (``--small-batch`` runs this one alone and keeps the rest
+   of the table). At batch 1, prefixes 4k and 16k, each model's tiles
+   (``BLOCK_N x stages``, 4 warps) under the one-wave schedule
+   (:func:`splitkv.splits.one_wave_n_splits`) against the usual schedule
+   with the throughput tile; a tile enters ``small_batch_tiles`` only if its
+   geometric-mean time beats the usual schedule's by more than 3 %.
 
 Every measurement is written to the table's ``sweep`` lists, so the choice
-can be checked. Takes about two minutes on an H200.
+can be checked. Takes about three minutes on an H200.
 """
 
 from __future__ import annotations
@@ -132,9 +138,56 @@ def sweep_min_split(log):
     return best, results, sweep
 
 
+def sweep_small_batch(log):
+    """Sweep 3: the one-wave tile per model where it beats the usual schedule, and every timing."""
+    rows, sweep = [], []
+    prefixes = (4096, 16384)
+    for model, s in MODEL_SHAPES.items():
+        block_m = block_m_for(rows_per_tile(s.group, 4))
+        problems = [_problem(model, 1, prefix, torch.bfloat16) for prefix in prefixes]
+        tuning.TUNED["small_batch_tiles"].pop((s.head_dim, block_m, 2), None)
+        usual = [graph_time_us(_timed_plan(p)[1]) for p in problems]
+        base = math.exp(sum(map(math.log, usual)) / len(usual))
+        log(f"{model:>10} small batch, usual schedule: {usual[0]:6.1f} / {usual[1]:6.1f} us")
+        best = None
+        for bn in BLOCK_NS:
+            if bn * s.head_dim > 128 * 128:
+                continue
+            for stages in STAGES:
+                tuning.TUNED["small_batch_tiles"][(s.head_dim, block_m, 2)] = dict(
+                    block_n=bn, num_warps=4, num_stages=stages)
+                try:
+                    times = [graph_time_us(_timed_plan(p)[1]) for p in problems]
+                except Exception as err:  # out of resources: not a candidate
+                    log(f"{model} BLOCK_N {bn} stages {stages}: {type(err).__name__}")
+                    continue
+                mean = math.exp(sum(map(math.log, times)) / len(times))
+                sweep.append(dict(model=model, block_n=bn, num_warps=4, num_stages=stages,
+                                  us=dict(zip(map(str, prefixes), times)), usual_us=dict(zip(map(str, prefixes), usual))))
+                log(f"{model:>10} one wave, BLOCK_N {bn:>3} stages {stages}: {times[0]:6.1f} / {times[1]:6.1f} us")
+                if mean < 0.97 * base and (best is None or mean < best[0]):
+                    best = (mean, bn, stages)
+        tuning.TUNED["small_batch_tiles"].pop((s.head_dim, block_m, 2), None)
+        if best is not None:
+            rows.append(dict(head_dim=s.head_dim, block_m=block_m, kv_bytes=2, block_n=best[1], num_warps=4,
+                             num_stages=best[2], from_model=model, us=best[0], usual_us=base))
+    return rows, sweep
+
+
+def _small_batch_only(path, log):
+    with open(path) as f:
+        table = json.load(f)
+    rows, sweep = sweep_small_batch(log)
+    table.update(small_batch_tiles=rows, small_batch_sweep=sweep,
+                 small_batch_date=datetime.date.today().isoformat())
+    return table
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m splitkv.tune", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=tuning.TABLE_PATH, help="table to write (default: the package's)")
+    ap.add_argument("--small-batch", action="store_true",
+                    help="run sweep 3 alone and update the table's small_batch_tiles")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the sweep needs a CUDA GPU")
@@ -142,10 +195,18 @@ def main(argv=None):
 
     start = time.time()
     log = lambda msg: print(f"[{time.time() - start:6.1f}s] {msg}", flush=True)  # noqa: E731
+    if args.small_batch:
+        table = _small_batch_only(args.out, log)
+        with open(args.out, "w") as f:
+            json.dump(table, f, indent=1)
+            f.write("\n")
+        log(f"wrote {args.out}: small_batch_tiles {[(r['from_model'], r['block_n'], r['num_stages']) for r in table['small_batch_tiles']]}")
+        return
     tiles, tile_sweep = sweep_tiles(log)
     tuning.TUNED["tiles"] = {(r["head_dim"], r["block_m"], r["kv_bytes"]): r for r in tiles}
     tuning._nearest.cache_clear()
     best_ms, by_ms, split_sweep = sweep_min_split(log)
+    small_rows, small_sweep = sweep_small_batch(log)
     table = dict(
         source="python -m splitkv.tune",
         device=torch.cuda.get_device_name(),
@@ -157,6 +218,8 @@ def main(argv=None):
         tiles=tiles,
         tile_sweep=tile_sweep,
         split_sweep=split_sweep,
+        small_batch_tiles=small_rows,
+        small_batch_sweep=small_sweep,
     )
     with open(args.out, "w") as f:
         json.dump(table, f, indent=1)

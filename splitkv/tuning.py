@@ -8,6 +8,10 @@ chooser's slice length, timed from CUDA graphs with ``do_bench``). It holds:
   ``block_n``, ``num_warps``, ``num_stages`` and the programs per SM that the
   compiled kernel's registers and shared memory allow;
 * ``min_split_tokens``: the shortest prefix slice worth a program of its own;
+* ``small_batch_tiles``: per key, the tile for launches too small to fill
+  the device (at most one program per SM, see :func:`small_batch_tile`),
+  where one was measured faster than the ``tiles`` entry: with one program
+  per SM, a deeper pipeline (more shared memory) costs no occupancy;
 * the device, date and software versions of the sweep.
 
 A key the sweep did not measure takes the nearest measured entry (same pool
@@ -23,7 +27,8 @@ from typing import Dict, Tuple
 
 from .checks import interpreting
 
-__all__ = ["TUNED", "tuned_tile", "programs_per_sm", "min_split_tokens", "TABLE_PATH"]
+__all__ = ["TUNED", "tuned_tile", "programs_per_sm", "min_split_tokens", "small_batch_tile", "TABLE_PATH",
+           "SMALL_BATCH_SMS_PER_TILE"]
 
 #: Where the sweep's table lives.
 TABLE_PATH = os.path.join(os.path.dirname(__file__), "tuned_h200.json")
@@ -36,6 +41,8 @@ def _load() -> dict:
     for row in table["tiles"]:
         tiles[(row["head_dim"], row["block_m"], row["kv_bytes"])] = row
     table["tiles"] = tiles
+    table["small_batch_tiles"] = {(r["head_dim"], r["block_m"], r["kv_bytes"]): r
+                                  for r in table.get("small_batch_tiles", [])}
     return table
 
 
@@ -82,3 +89,22 @@ def min_split_tokens() -> int:
     if interpreting():
         return INTERPRETER_MIN_SPLIT_TOKENS
     return TUNED["min_split_tokens"]
+
+
+#: A launch is *small* when each of its tiles (sequence x head tile) has at
+#: least this many SMs to itself: the schedule then gives every tile
+#: ``num_sms // tiles`` slices, one program per SM, one wave.
+SMALL_BATCH_SMS_PER_TILE = 8
+
+
+def small_batch_tile(head_dim: int, block_m: int, kv_bytes: int, tiles: int, num_sms: int):
+    """``(block_n, num_warps, num_stages)`` for a small launch, or ``None``.
+
+    ``None`` when the launch is not small (``tiles * SMALL_BATCH_SMS_PER_TILE >
+    num_sms``) or the sweep found no tile faster than the throughput tile for
+    this (head dim, BLOCK_M, pool element size): then the usual schedule runs.
+    """
+    if tiles * SMALL_BATCH_SMS_PER_TILE > num_sms:
+        return None
+    row = TUNED["small_batch_tiles"].get((head_dim, block_m, kv_bytes))
+    return None if row is None else (row["block_n"], row["num_warps"], row["num_stages"])

@@ -131,3 +131,70 @@ def test_two_streams_at_once():
 
 def test_cuda_is_there():
     assert CUDA
+
+
+# --- breadth: score features and paged pools at real sizes ---------------------
+
+@pytest.mark.parametrize("features", [dict(logit_cap=30.0), dict(sliding_window_size=4096),
+                                      dict(sliding_window_size=127, logit_cap=50.0), dict(xai_temperature_len=8192)],
+                         ids=["cap", "window-4k", "window-127-cap", "xai"])
+@pytest.mark.parametrize("model", list(MODEL_SHAPES))
+def test_score_features_bf16(model, features):
+    p = model_problem(model, [16384, 5000, 0, 333], dtype=torch.bfloat16, mask="tree", sinks=True)
+    out = p.new_output()
+    assert verify_splitkv_fwd(*p.args(out), **p.kwargs(), **features)
+    assert_matches_reference(out, p, **features)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("page_size", [1, 16, 64, 128])
+@pytest.mark.parametrize("model", list(MODEL_SHAPES))
+def test_paged_pools_bf16(model, page_size, kv_dtype):
+    from splitkv.testing import paged_problem
+
+    scales = dict(k_scale=0.7, v_scale=1.3) if kv_dtype != torch.bfloat16 else {}
+    p = model_problem(model, [16384, 4097, 1, 0], dtype=torch.bfloat16, kv_dtype=kv_dtype, sinks=True, **scales)
+    pp = paged_problem(p, page_size, seed=1)
+    out = p.new_output()
+    assert verify_splitkv_fwd(*pp.args(out), **pp.kwargs(), check=True)
+    assert_matches_reference(out, p)
+
+
+def test_paged_graph_replay_with_new_page_tables():
+    """Captured once, replayed with other page tables, last-page lengths and draft counts in place."""
+    from splitkv.testing import paged_problem
+    from splitkv.testing.graphs import capture_graph
+
+    s = MODEL_SHAPES["llama3-8b"]
+    shape = dict(num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                 dtype=torch.bfloat16, device="cuda")
+    first = paged_problem(make_problem([9000, 5000], 4, seed=1, **shape), 16, seed=1, spare_pages=600)
+    pool_pages = first.k_pages.shape[0]
+    a = first.args(first.problem.new_output())
+    out = a[3]
+    pages, last = first.kv_indices.clone(), first.kv_last_page_len.clone()
+    qo, kvp = first.problem.qo_indptr.clone(), first.kv_indptr.clone()
+    args = list(a)
+    args[6], args[7], args[8] = qo, kvp, pages
+    kw = dict(first.kwargs(), kv_last_page_len=last)
+    graph = capture_graph(lambda: verify_splitkv_fwd(*args, **kw))
+    for seed, prefixes in ((2, [5000, 8000]), (3, [1, 9000])):
+        spare = pool_pages - sum(-(-n // 16) for n in prefixes)  # same pool shape as the captured one
+        nxt = paged_problem(make_problem(prefixes, [4, 2], seed=seed, **shape), 16, seed=seed, spare_pages=spare)
+        n_pages = nxt.kv_indices.shape[0]
+        assert n_pages <= pages.shape[0] and nxt.k_pages.shape == first.k_pages.shape
+        # Same tensors as captured: copy the new layout into the pool and tables.
+        first.k_pages.copy_(nxt.k_pages)
+        first.v_pages.copy_(nxt.v_pages)
+        pages[:n_pages].copy_(nxt.kv_indices)
+        kvp.copy_(nxt.kv_indptr)
+        last.copy_(nxt.kv_last_page_len)
+        qo.copy_(nxt.problem.qo_indptr)
+        for t, src in ((args[0], nxt.problem.q_extend), (args[1], nxt.problem.k_extend),
+                       (args[2], nxt.problem.v_extend)):
+            t[: src.shape[0]].copy_(src)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        rows = nxt.problem.num_tokens
+        assert relative_error(out[:rows], reference_for(nxt.problem)) < TOLERANCE[torch.bfloat16]

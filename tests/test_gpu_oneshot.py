@@ -304,13 +304,11 @@ def test_stress_10000_graph_replays():
     assert samples[-1] - samples[0] <= 1 << 16, samples
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "failed on the H200 (2026-11-30) when counters first needed inside a capture were allocated there (their "
-    "zero-fill only a captured node); runner.counters now cuts them from an arena zeroed before capture. Not yet "
-    "re-run on a GPU: make this test strict once it passes there"))
 def test_counters_first_allocated_inside_a_capture():
     """Warm-up on another stream (the PyTorch-docs pattern), two graphs captured on a fresh
-    stream sharing a pool that held garbage; replay the second graph first."""
+    stream sharing a pool that held garbage; replay the second graph first. (Failed on the H200
+    when such counters were allocated inside the capture; passes since they come from an arena
+    zeroed before capture: re-run on the H200 2026-11-30.)"""
     from splitkv import runner as runner_mod
 
     p = model_problem("llama3-8b", [6000] * 4)

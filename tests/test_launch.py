@@ -2,7 +2,7 @@
 
 import torch
 
-from splitkv.launch import _specialization
+from splitkv.launch import _specialization, alignment_bits
 
 
 def test_key_follows_dtype_alignment_and_integer_specialisation():
@@ -14,3 +14,10 @@ def test_key_follows_dtype_alignment_and_integer_specialisation():
     assert _specialization((a, 33, 7, 1.5)) != base  # no longer a multiple of 16
     assert _specialization((a, 32, 1, 1.5)) != base  # 1 is specialised
     assert _specialization((a, 32, 2**31, 1.5)) != base  # past 32 bits: an i64 argument
+
+
+def test_alignment_bits():
+    a = torch.zeros(64, dtype=torch.float16)
+    assert alignment_bits([a, a[8:]]) == -1  # all on 16-byte boundaries
+    assert alignment_bits([a, a[1:], a[8:]]) == 0b101  # which ones are
+    assert alignment_bits([a[1:], a[3:]]) == 0

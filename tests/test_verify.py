@@ -272,26 +272,24 @@ def test_runner_grows_in_place_and_outgrown_counters_stay():
 
 # --- the gate --------------------------------------------------------------
 
-DECLINED = {
-    "logit_cap": dict(logit_cap=30.0),
-    "sliding_window": dict(sliding_window_size=128),
-    "xai_temperature": dict(xai_temperature_len=64),
-    "tensor_k_scale": dict(k_scale=torch.tensor(0.5)),
-}
-
-
-@pytest.mark.parametrize("feature", list(DECLINED))
-def test_declined_features_leave_output_untouched(feature):
+def test_tensor_scale_declined_leaves_output_untouched():
+    """A k_scale held in a tensor would need a device read: declined, nothing written."""
     p = make_problem([54, 33], 4, 4, 2, 32, device=DEVICE)
     out = p.new_output(fill=3.0)
     args = list(p.args(out))
-    kwargs = dict(p.kwargs())
-    if feature == "tensor_k_scale":
-        args[13] = DECLINED[feature]["k_scale"]
-    else:
-        kwargs.update(DECLINED[feature])
-    assert not verify_splitkv_fwd(*args, **kwargs)
+    args[13] = torch.tensor(0.5)
+    assert not verify_splitkv_fwd(*args, **p.kwargs())
     assert (out == 3.0).all()
+
+
+@pytest.mark.parametrize("feature", [dict(logit_cap=30.0), dict(sliding_window_size=128),
+                                     dict(xai_temperature_len=64)], ids=["logit_cap", "window", "xai"])
+def test_score_features_are_served(feature):
+    """Every extend score feature runs on the split path (parity in test_features.py)."""
+    p = make_problem([54, 33], 4, 4, 2, 32, device=DEVICE)
+    out = p.new_output()
+    assert verify_splitkv_fwd(*p.args(out), **p.kwargs(), **feature)
+    assert_matches_reference(out, p, **feature)
 
 
 def test_prefix_custom_mask_declined():

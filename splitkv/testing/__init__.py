@@ -1,21 +1,25 @@
 """What tests, notebooks and the benchmark share, kept apart from the production API.
 
 * :func:`make_problem`, :func:`tree_mask`, :class:`VerifyProblem`,
-  :class:`HeadShape`, :data:`MODEL_SHAPES` -- seeded verify problems and the
-  labelled head configurations every table and plot uses;
+  :class:`HeadShape`, :data:`MODEL_SHAPES`, :data:`FEATURE_SHAPES` -- seeded
+  verify problems and the labelled head configurations every table and plot uses;
+* :func:`paged_problem`, :class:`PagedProblem` -- the same problems in a paged pool;
 * :func:`reference_attention`, :func:`reference_for` -- the float64 oracle;
 * :func:`relative_error` -- the error measure the tolerances are written in.
 """
 
-from .problem import MODEL_SHAPES, HeadShape, VerifyProblem, make_problem, tree_mask
+from .problem import FEATURE_SHAPES, MODEL_SHAPES, HeadShape, PagedProblem, VerifyProblem, make_problem, paged_problem, tree_mask
 from .reference import reference_attention, reference_for, relative_error
 
 __all__ = [
     "make_problem",
     "tree_mask",
     "VerifyProblem",
+    "paged_problem",
+    "PagedProblem",
     "HeadShape",
     "MODEL_SHAPES",
+    "FEATURE_SHAPES",
     "reference_attention",
     "reference_for",
     "relative_error",

@@ -15,6 +15,8 @@ a few draft tokens (rows ``qo_indptr[b]:qo_indptr[b+1]`` of ``q_extend``,
 in a pool larger than the prefix, optional fused-QKV (non-contiguous) inputs,
 ragged prefix and extend lengths, tree masks, KV scales and attention sinks.
 :data:`MODEL_SHAPES` are the labelled head configurations used everywhere.
+:func:`paged_problem` lays a problem's prefixes out in a NaN-poisoned paged
+pool (:mod:`splitkv.paged`), as a :class:`PagedProblem`.
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ import torch
 __all__ = [
     "HeadShape",
     "MODEL_SHAPES",
+    "FEATURE_SHAPES",
+    "PagedProblem",
     "VerifyProblem",
     "make_problem",
+    "paged_problem",
     "tree_mask",
 ]
 
@@ -62,6 +67,14 @@ MODEL_SHAPES = {
     "qwen3-next": HeadShape("Qwen3-Next full-attention", 16, 2, 256),
     "llama3-8b": HeadShape("Llama-3-8B", 32, 8, 128),
     "qwen3-32b": HeadShape("Qwen3-32B", 64, 8, 128),
+}
+
+#: Models whose attention uses a score feature, with that feature's settings
+#: (``extend_attention_fwd`` keywords): the breadth benchmark's shapes.
+FEATURE_SHAPES = {
+    "gemma2-9b-capped": (HeadShape("Gemma-2-9B (logit cap 50)", 16, 8, 256), {"logit_cap": 50.0}),
+    "gpt-oss-20b-window": (HeadShape("gpt-oss-20b sliding layer (window 128)", 64, 8, 64),
+                           {"sliding_window_size": 128}),
 }
 
 
@@ -366,4 +379,126 @@ def make_problem(
         sinks=randn(num_q_heads, dt=torch.float32) if sinks else None,
         prefix_lens=prefix_lens,
         extend_lens=extend_lens,
+    )
+
+
+@dataclass(frozen=True)
+class PagedProblem:
+    """A :class:`VerifyProblem` whose prefixes are laid out in a paged pool.
+
+    The paged layout is :mod:`splitkv.paged`'s: page ids
+    ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` of sequence ``b`` into
+    ``k_pages``/``v_pages`` (``[num_pages, page_size, H_KV, D]``), the last page
+    holding ``kv_last_page_len[b]`` keys. Key ``n`` of sequence ``b`` is the
+    token-pool row ``problem.k_buffer[problem.kv_indices[problem.kv_indptr[b] + n]]``,
+    bit for bit, so the float64 oracle ``reference_for(problem)`` is the
+    answer of the paged call too. Every page row no prefix uses (the tail of
+    last pages, the spare pages) is NaN: a kernel that reads one shows it.
+
+    ``args(o)`` and ``kwargs()`` are ``problem``'s with the paged pool, page
+    table and ``kv_last_page_len`` in place of the token pool's.
+
+    Attributes:
+        problem: the token-pool original (queries, drafts, mask, scales).
+        k_pages: the key pages ``[num_pages, page_size, H_KV, D]``.
+        v_pages: the value pages ``[num_pages, page_size, H_KV, Dv]``.
+        kv_indptr: ``[bs + 1]`` ranges of ``kv_indices`` (``problem.kv_indptr``'s dtype).
+        kv_indices: page ids (``problem.kv_indices``' dtype).
+        kv_last_page_len: ``[bs]`` keys in each sequence's last page (int32;
+            0 for a sequence without prefix).
+        page_size: rows per page.
+    """
+
+    problem: VerifyProblem
+    k_pages: torch.Tensor
+    v_pages: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    page_size: int
+
+    def args(self, o_extend: torch.Tensor) -> tuple:
+        """Positional arguments of ``extend_attention_fwd``'s order, on the paged pool."""
+        return self.problem.replace(
+            k_buffer=self.k_pages,
+            v_buffer=self.v_pages,
+            kv_indptr=self.kv_indptr,
+            kv_indices=self.kv_indices,
+        ).args(o_extend)
+
+    def kwargs(self) -> dict:
+        """Keyword arguments: ``problem.kwargs()`` plus ``kv_last_page_len``."""
+        return {**self.problem.kwargs(), "kv_last_page_len": self.kv_last_page_len}
+
+
+def paged_problem(
+    problem: VerifyProblem,
+    page_size: int,
+    *,
+    seed: int = 0,
+    spare_pages: int = 4,
+) -> PagedProblem:
+    """Lay a token-pool problem's prefixes out in a fresh, NaN-poisoned page pool.
+
+    Sequence ``b``'s prefix rows (``k_buffer[kv_indices[kv_indptr[b]:kv_indptr[b+1]]]``,
+    in order, and likewise for V) fill ``cdiv(prefix_len, page_size)`` pages
+    drawn at random, without repetition, from a pool of all the pages needed
+    plus ``spare_pages``. The pool has the token pool's dtype and device; rows
+    no prefix uses are NaN (float8 pools are built in float32 and converted:
+    ``float8_e4m3fn`` and ``float8_e5m2`` both have a NaN).
+
+    Args:
+        problem: the token-pool problem (e.g. from :func:`make_problem`).
+        page_size: rows per page.
+        seed: seeds the choice of pages.
+        spare_pages: pages no sequence uses, all NaN.
+
+    Returns:
+        The :class:`PagedProblem`.
+
+    Raises:
+        ValueError: if ``page_size < 1``, ``spare_pages < 0`` or the pool's
+            dtype cannot hold NaN.
+    """
+    if page_size < 1 or spare_pages < 0:
+        raise ValueError(f"need page_size >= 1 and spare_pages >= 0, got {page_size} and {spare_pages}")
+    p = problem
+    dtype, device = p.k_buffer.dtype, p.k_buffer.device
+    # Build in float32 (float64 for a float64 pool), which holds the pool's
+    # values exactly and which every op supports (float8 lacks many kernels);
+    # convert at the end, and make sure the pool's dtype keeps NaN.
+    stage = torch.float64 if dtype == torch.float64 else torch.float32
+    if not dtype.is_floating_point or not torch.tensor(float("nan")).to(dtype).to(stage).isnan():
+        raise ValueError(f"a {dtype} pool cannot be poisoned with NaN")
+
+    pages_per_seq = [-(-n // page_size) for n in p.prefix_lens]
+    num_pages = sum(pages_per_seq) + spare_pages
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    page_ids = torch.randperm(num_pages, generator=gen)[: sum(pages_per_seq)].to(device)
+
+    def poisoned(buffer):
+        return torch.full((num_pages, page_size, *buffer.shape[1:]), float("nan"), dtype=stage, device=device)
+
+    k_pages, v_pages = poisoned(p.k_buffer), poisoned(p.v_buffer)
+    kv = p.kv_indptr.tolist()
+    first_page = 0
+    for b, (n_keys, n_pages) in enumerate(zip(p.prefix_lens, pages_per_seq)):
+        slots = p.kv_indices[kv[b]: kv[b + 1]].long()
+        n = torch.arange(n_keys, device=device)
+        page = page_ids[first_page + n // page_size]
+        k_pages[page, n % page_size] = p.k_buffer[slots].to(stage)
+        v_pages[page, n % page_size] = p.v_buffer[slots].to(stage)
+        first_page += n_pages
+
+    indptr = torch.zeros(p.batch_size + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(torch.tensor(pages_per_seq, dtype=torch.int64), 0)
+    last = [n - (m - 1) * page_size if m else 0 for n, m in zip(p.prefix_lens, pages_per_seq)]
+    return PagedProblem(
+        problem=p,
+        k_pages=k_pages.to(dtype),
+        v_pages=v_pages.to(dtype),
+        kv_indptr=indptr.to(device=device, dtype=p.kv_indptr.dtype),
+        kv_indices=page_ids.to(p.kv_indices.dtype),
+        kv_last_page_len=torch.tensor(last, dtype=torch.int32, device=device),
+        page_size=page_size,
     )

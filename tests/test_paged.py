@@ -1,0 +1,130 @@
+"""Paged pools on the split path: ``[pages, page_size, H_KV, D]`` read natively.
+
+Every case lays a token-pool problem's prefixes out in random pages
+(:func:`splitkv.testing.paged_problem`), with every unused page row poisoned
+with NaN (a read past a sequence's last used row reaches the output), and
+compares with the float64 oracle of the original problem.
+"""
+
+import pytest
+import torch
+
+from conftest import DEVICE, DTYPES, MIN_SPLIT, all_counters_zero, assert_matches_reference, last_plan
+from splitkv import VerifyPlan, VerifySplitKV, decline_reason, verify_attention, verify_splitkv_fwd
+from splitkv.testing import make_problem, paged_problem
+
+#: Several slices per sequence, one empty prefix, a prefix shorter than a page, ragged drafts.
+PREFIXES = [6 * MIN_SPLIT + 13, 0, 3 * MIN_SPLIT + 1, 5]
+EXTENDS = [4, 2, 3, 1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 3, 16, 64])
+def test_paged_matches_oracle(page_size, dtype):
+    """Page sizes below, equal to and above the key tile (one index load per tile when a page holds it)."""
+    p = make_problem(PREFIXES, EXTENDS, 4, 2, 32, dtype=dtype, device=DEVICE, seed=2, mask="tree", sinks=True)
+    pp = paged_problem(p, page_size, seed=1)
+    out = p.new_output()
+    assert verify_splitkv_fwd(*pp.args(out), **pp.kwargs(), check=True)
+    plan = last_plan()
+    assert isinstance(plan, VerifyPlan) and plan.page_size == page_size and plan.n_splits >= 2
+    assert_matches_reference(out, p)
+    assert all_counters_zero()
+
+
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "spread-merge"])
+def test_paged_with_features_and_scales(one_launch):
+    features = dict(sliding_window_size=2 * MIN_SPLIT + 5, logit_cap=3.0)
+    p = make_problem(PREFIXES, EXTENDS, 4, 1, 32, dtype=torch.float32, device=DEVICE, seed=4, mask="chain",
+                     k_scale=0.5, v_scale=2.0, index_dtype=torch.int32, fused_qkv=True)
+    pp = paged_problem(p, 16, seed=2)
+    out, lse = verify_attention(*pp.args(None), **pp.kwargs(), **features, return_lse=True, one_launch=one_launch)
+    assert_matches_reference(out, p, **features)
+    from splitkv.testing import reference_for, relative_error
+
+    assert relative_error(lse, reference_for(p, return_lse=True, **features)[1]) < 1e-4
+
+
+def _padded(pp, num_pages):
+    """``pp`` with its page pools grown to ``num_pages`` (NaN pages): every step sees one pool shape."""
+    def grow(pages):
+        pad = torch.full((num_pages - pages.shape[0], *pages.shape[1:]), float("nan"), dtype=pages.dtype,
+                         device=pages.device)
+        return torch.cat([pages, pad])
+
+    return pp.__class__(**{**pp.__dict__, "k_pages": grow(pp.k_pages), "v_pages": grow(pp.v_pages)})
+
+
+def test_paged_plan_rebinds_across_steps():
+    """One plan, three steps with other page tables and lengths in one pool (as graph replays see them)."""
+    shapes = dict(num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32, device=DEVICE)
+    steps = [_padded(paged_problem(make_problem(prefixes, 3, seed=seed, **shapes), 16, seed=seed), 64)
+             for seed, prefixes in ((1, [200, 90]), (2, [150, 33]), (3, [17, 210]))]
+    runner = VerifySplitKV(4, 2, 32, 32, 3, 2, DEVICE)
+    a = steps[0].args(None)
+    plan = runner.plan(a[0], a[1], a[2], a[4], a[5], a[6], a[7], a[8], sm_scale=steps[0].problem.sm_scale,
+                       kv_last_page_len=steps[0].kv_last_page_len)
+    for pq in steps:
+        b = pq.args(None)
+        plan.rebind(b[6], b[7], b[8], kv_last_page_len=pq.kv_last_page_len)
+        out = plan.run(b[0], b[1], b[2], b[4], b[5], out=pq.problem.new_output())
+        assert_matches_reference(out, pq.problem)
+
+
+def test_paged_fallback_runs_the_baseline_on_the_token_view():
+    """A call the split path declines (custom mask on the prefix) still works on a paged pool."""
+    p = make_problem([54, 97], 3, 4, 2, 32, dtype=torch.float32, device=DEVICE, seed=6, mask="tree")
+    pp = paged_problem(p, 16, seed=3)
+    kw = dict(pp.kwargs(), skip_prefix_custom_mask=False)
+    assert decline_reason(*_gate_args(pp), skip_prefix_custom_mask=False,
+                          kv_last_page_len=pp.kv_last_page_len).startswith("custom mask")
+    out = verify_attention(*pp.args(None), **kw)
+    assert_matches_reference(out, p, skip_prefix_custom_mask=False)
+
+
+def _gate_args(pp):
+    a = pp.args(None)
+    return (a[0], a[1], a[2], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12])
+
+
+@pytest.mark.parametrize("corrupt,match", [
+    ("page_out_of_pool", "outside the pool"),
+    ("last_len_too_long", "kv_last_page_len"),
+    ("last_len_zero", "kv_last_page_len"),
+])
+def test_paged_checked_mode(corrupt, match):
+    p = make_problem([54, 97], 3, 4, 2, 32, dtype=torch.float32, device=DEVICE, seed=7)
+    pp = paged_problem(p, 16, seed=4)
+    if corrupt == "page_out_of_pool":
+        idx = pp.kv_indices.clone()
+        idx[1] = pp.k_pages.shape[0] + 3
+        pp = pp.__class__(**{**pp.__dict__, "kv_indices": idx})
+    else:
+        last = pp.kv_last_page_len.clone()
+        last[1] = 17 if corrupt == "last_len_too_long" else 0
+        pp = pp.__class__(**{**pp.__dict__, "kv_last_page_len": last})
+    with pytest.raises(ValueError, match=match):
+        verify_attention(*pp.args(None), **pp.kwargs())
+    # Unchecked, the kernel clamps: no crash, no read outside the pages (values are then unspecified).
+    out = p.new_output()
+    assert verify_splitkv_fwd(*pp.args(out), **pp.kwargs(), check=False)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("three_d_pool", "4-D"),
+    ("page_size_mismatch", "same positive number"),
+    ("last_len_shape", "batch_size"),
+])
+def test_paged_malformed_shapes(bad, match):
+    p = make_problem([54, 97], 3, 4, 2, 32, dtype=torch.float32, device=DEVICE, seed=8)
+    pp = paged_problem(p, 16, seed=5)
+    fields = dict(pp.__dict__)
+    if bad == "three_d_pool":
+        fields["k_pages"] = pp.k_pages.flatten(0, 1)
+    elif bad == "page_size_mismatch":
+        fields["v_pages"] = pp.v_pages[:, :8]
+    else:
+        fields["kv_last_page_len"] = pp.kv_last_page_len[:1]
+    pp = pp.__class__(**fields)
+    with pytest.raises(ValueError, match=match):
+        verify_attention(*pp.args(None), **pp.kwargs())
