@@ -551,15 +551,16 @@ class VerifyPlan:
             self._merge_grid = (self._tiles, -(-cfg.block_m // MERGE_ROWS), -(-r.v_head_dim // mconsts["MERGE_DV"]))
 
     def _set_scalars(self, kv_len: int, custom_mask) -> None:
-        self._scalars = (
+        scalars = (
             *self._scales, self.num_tokens, self._pool_tokens, kv_len,
             custom_mask.numel() if custom_mask is not None else 0, self.n_splits, self._min_split,
             *self._features,
         )
-        # What the compiled kernel is specialised on, less what run() checks per call (the layer
-        # tensors' dtypes, every tensor's alignment): the metadata's dtypes and the integers,
-        # fixed until the next rebind.
-        self._spec = (tuple(t.dtype for t in self._meta), _specialization(self._scalars + self._strides))
+        if scalars != getattr(self, "_scalars", None):
+            self._scalars = scalars
+            # What the compiled kernel is specialised on among the plan's integers; run() adds the
+            # rest (dtypes, output strides, alignment) to its launch key.
+            self._spec = _specialization(scalars + self._strides)
 
     def _bind(self, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sinks,
               kv_last_page_len, window_kv_offsets) -> None:
@@ -573,6 +574,8 @@ class VerifyPlan:
             window_kv_offsets if use_mask and window_kv_offsets is not None else kv_indptr,
             sinks if sinks is not None else qo_indptr,
         )
+        self._meta_dtypes = (qo_indptr.dtype, kv_indptr.dtype, kv_indices.dtype, self._meta[3].dtype,
+                             self._meta[4].dtype, self._meta[5].dtype, self._meta[6].dtype, self._meta[7].dtype)
 
     def rebind(self, qo_indptr, kv_indptr, kv_indices, custom_mask=None, mask_indptr=None, sinks=None,
                kv_last_page_len=None, window_kv_offsets=None) -> None:
@@ -633,8 +636,8 @@ class VerifyPlan:
         meta = self._meta
         tensors = (q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg, *meta, parts, cnt)
         s_ot, s_oh = out.stride(0), out.stride(1)
-        key = (self._spec, q_extend.dtype, k_extend.dtype, v_extend.dtype, k_buffer.dtype, v_buffer.dtype,
-               out.dtype, s_ot, s_oh, alignment_bits(tensors))
+        key = (self._spec, self._meta_dtypes, q_extend.dtype, k_extend.dtype, v_extend.dtype, k_buffer.dtype, v_buffer.dtype,
+               out.dtype, s_ot, s_oh, lse_offset < 2**31, alignment_bits(tensors))
         stream = torch._C._cuda_getCurrentRawStream(self._dev_index) if self._dev_index >= 0 else None
         self._launch(self.grid, (
             q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg,
