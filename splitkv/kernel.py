@@ -36,6 +36,15 @@ batch is not over-split. The program of the last slice also attends to the
 draft block (same online softmax, other keys and scale), so the draft tokens
 cost no extra program.
 
+Score features (SGLang's ``extend_attention_fwd`` semantics). Draft token
+``l`` sits at position ``p = n_prefix + l``. A logit cap maps each score to
+``cap * tanh(s / cap)``; the xai temperature multiplies the scores of rows
+with ``p > len`` by ``log2(p) / log2(len)``; a sliding window ``W`` hides key
+``n`` from row ``l`` unless ``p <= n + W``. Under a window the slices cover
+only keys ``[first_key, n_prefix)``, ``first_key`` being the first key draft
+0 sees rounded down to a whole key tile: keys before it are never read, so a
+long prefix under a short window costs the window.
+
 Merging in the same launch. With ``n_used == 1`` the tile's only program
 normalises and writes the output itself. Otherwise every program writes its
 slice's normalised output ``o_s`` and log-sum-exp ``lse_s`` to scratch, then
@@ -61,7 +70,13 @@ while this grid drains and waits for it in hardware). Both merges share
 ``_tile_slices`` and ``_merge_rows``: same slices, same order, same bits.
 
 Memory layout. Pool rows ``[pool_tokens, H_KV, D]`` are gathered through
-``kv_indices``; K is loaded transposed (``[D, BLOCK_N]``) for the dot. Scratch
+``kv_indices``; K is loaded transposed (``[D, BLOCK_N]``) for the dot. A
+paged pool is ``[pages, PAGE_SIZE, H_KV, D]``: ``kv_indices`` holds page ids,
+key ``n`` is row ``n % PAGE_SIZE`` of page ``kv_indices[kv_start + n //
+PAGE_SIZE]``, and the prefix is ``(pages - 1) * PAGE_SIZE + last_page_len``
+keys. Key tiles start at multiples of ``BLOCK_N``, so where ``PAGE_SIZE`` is
+a multiple of ``BLOCK_N`` a tile lies in one page: one page-id load per tile
+instead of one slot load per key. Scratch
 (float32) is per tile and slice, so the merging program reads one block::
 
     part_o  [tiles, n_splits, BLOCK_M, V_HEAD_DIM]
