@@ -3,8 +3,9 @@
 * Valid problems over prefix lengths 0..N (several slices for the long ones),
   1..16 drafts, GQA ratios 1/2/3/4, odd head dims, both index dtypes, chains,
   trees and full draft blocks, sinks, k/v scales, fused-QKV views, adaptive and
-  fixed slices, with and without the LSE: the production entry must match the
-  float64 oracle (global norm and worst row).
+  fixed slices, with and without the LSE, with a logit cap, a sliding window or
+  an xai temperature, in a token pool or in pages of 5 or 16 tokens: the
+  production entry must match the float64 oracle (global norm and worst row).
 * Corruptions of kv_indices, kv_indptr, qo_indptr and mask_indptr that are
   invalid by construction: the checked mode must raise a ValueError naming the
   field; unchecked, a batch of them runs in a subprocess (see test_checked.py)
@@ -29,7 +30,7 @@ from conftest import (
     run_unchecked_in_subprocess,
 )
 from splitkv import verify_attention, verify_splitkv_fwd
-from splitkv.testing import make_problem, reference_for
+from splitkv.testing import make_problem, paged_problem, reference_for
 
 #: Longest prefix drawn: several slices under the adaptive chooser (MIN_SPLIT is 32 on the CPU).
 MAX_PREFIX = 4 * MIN_SPLIT + 10
@@ -61,22 +62,33 @@ def valid_problems(draw):
     )
 
 
-@settings(max_examples=20, **SETTINGS)
-@given(spec=valid_problems(), split_tokens=st.sampled_from([None, None, 128]), return_lse=st.booleans())
-def test_random_valid_problems(spec, split_tokens, return_lse):
+FEATURES = st.one_of(
+    st.just({}), st.just({}),
+    st.builds(lambda cap: {"logit_cap": cap}, st.sampled_from([1.0, 5.0])),
+    st.builds(lambda w: {"sliding_window_size": w}, st.integers(1, MAX_PREFIX)),
+    st.builds(lambda n: {"xai_temperature_len": n}, st.integers(2, MAX_PREFIX)),
+)
+
+
+@settings(max_examples=24, **SETTINGS)
+@given(spec=valid_problems(), split_tokens=st.sampled_from([None, None, 128]), return_lse=st.booleans(),
+       features=FEATURES, page_size=st.sampled_from([None, None, 5, 16]))
+def test_random_valid_problems(spec, split_tokens, return_lse, features, page_size):
     p = make_problem(device=DEVICE, **spec)
     out = p.new_output()
-    result = verify_attention(*p.args(out), **p.kwargs(), split_tokens=split_tokens, return_lse=return_lse)
+    inputs = p if page_size is None else paged_problem(p, page_size, seed=spec["seed"] % 1000)
+    result = verify_attention(*inputs.args(out), **inputs.kwargs(), split_tokens=split_tokens,
+                              return_lse=return_lse, **features)
     event(f"grid slices: {last_plan().n_splits}")
     if return_lse:
         result, lse = result
-        ref_o, ref_lse = reference_for(p, return_lse=True)
+        ref_o, ref_lse = reference_for(p, return_lse=True, **features)
         assert_close(result, ref_o, p.q_extend.dtype)
         tol = 1e-4 if p.q_extend.dtype == torch.float32 else 2e-3
         assert (lse.double() - ref_lse).abs().max().item() < tol
     else:
         assert result is out
-        assert_matches_reference(out, p)
+        assert_matches_reference(out, p, **features)
 
 
 # --- corruptions ------------------------------------------------------------------
