@@ -153,7 +153,7 @@ def _finish(acc, m_i, l_i, sink2, HAS_SINKS: tl.constexpr):
     else:
         m_top = m_i
         den = l_i
-    has = den > 0
+    has = den != 0  # NaN (a NaN key or value in the pool) stays NaN, as in the oracle
     o = acc / tl.where(has, den, 1.0)[:, None]
     lse2 = tl.where(has, m_top + tl.log2(tl.where(has, den, 1.0)), float("-inf"))
     return o, lse2
@@ -234,7 +234,8 @@ def _merge_rows(Part_O, Part_LSE, first, n_used, r, row_ok, offs_dv, dv_ok,
             alpha = tl.exp2(m - m_shift)
             w = tl.exp2(lse_u - m_shift)
             den = den * alpha + w
-            acc = acc * alpha[:, None] + tl.where(w[:, None] > 0, w[:, None] * o_u, 0.0)
+            # Empty slices (w == 0) add nothing whatever their o; a NaN weight propagates.
+            acc = acc * alpha[:, None] + tl.where(w[:, None] == 0, 0.0, w[:, None] * o_u)
             m = m_new
     return acc, m, den
 

@@ -612,3 +612,24 @@ def test_counters_for_a_stream_first_seen_inside_a_capture(monkeypatch):
     assert arr.data_ptr() != arena.data_ptr() and arr.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
     assert int(arr.count_nonzero()) == 0
     assert_matches_reference(out, p)
+
+
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "spread-merge"])
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_nan_in_a_visible_pool_row_propagates(where, one_launch):
+    """A NaN key or value the oracle would read makes that sequence's output NaN, as in the oracle
+    (never a finite wrong answer); the other sequences stay exact."""
+    p = make_problem(SLICED, SLICED_EXT, 4, 2, 32, dtype=torch.float32, device=DEVICE, seed=12)
+    ref = reference_for(p)
+    bad_seq = 2  # several slices; the NaN sits in its middle slice
+    slot = int(p.kv_indices[int(p.kv_indptr[bad_seq]) + SLICED[bad_seq] // 2])
+    pool = (p.k_buffer if where == "k" else p.v_buffer).clone()
+    pool[slot, 1] = float("nan")  # KV head 1
+    q = p.replace(k_buffer=pool) if where == "k" else p.replace(v_buffer=pool)
+    out = verify_attention(*q.args(None), **q.kwargs(), one_launch=one_launch)
+    rows = slice(int(p.qo_indptr[bad_seq]), int(p.qo_indptr[bad_seq + 1]))
+    assert torch.isnan(out[rows, 2:]).all()  # query heads 2, 3 read KV head 1
+    good = torch.ones(out.shape[0], dtype=torch.bool)
+    good[rows] = False
+    assert relative_error(out[good], ref[good]) < TOLERANCE[torch.float32]
+    assert relative_error(out[rows, :2], ref[rows, :2]) < TOLERANCE[torch.float32]
