@@ -402,3 +402,20 @@ def test_cli_without_gpu_points_to_demo():
     with pytest.raises(SystemExit) as exc:
         bench.main([])
     assert "python -m splitkv demo" in str(exc.value.code)
+
+
+def test_breadth_markdown_from_a_result():
+    """The breadth benchmark's tables come from its result record (every row, its numbers)."""
+    from splitkv import bench_breadth
+
+    row = dict(model="llama3-8b", batch=8, prefix=16384, kv_bytes=536_870_912, token_us=150.0, token_pct_bw=85.2)
+    for g in bench_breadth.PAGE_SIZES:
+        row[f"page{g}_us"], row[f"page{g}_pct_bw"] = 140.0 + g, 90.0
+    result = dict(device="GPU X", date="2026-11-30", torch="t", triton="tr", read_bandwidth=4.2e12,
+                  elapsed_s=12.0, paged=[row],
+                  features=[dict(shape="gemma2-9b-capped", batch=8, prefix=65536, features={"logit_cap": 50.0},
+                                 feature_us=120.0, plain_prefix=65536, plain_us=100.0, ratio=1.2)])
+    md = bench_breadth.format_markdown(result)
+    assert "| llama3-8b | 16k | 537 | 150.0 (85 %) | 156.0 (90 %) | 204.0 (90 %) |" in md
+    assert "| gemma2-9b-capped | 64k | logit_cap=50.0 | 120.0 | 100.0 (65536) | 1.20 |" in md
+    assert "GPU X, 2026-11-30" in md

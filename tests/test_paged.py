@@ -6,6 +6,8 @@ with NaN (a read past a sequence's last used row reaches the output), and
 compares with the float64 oracle of the original problem.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -87,44 +89,39 @@ def _gate_args(pp):
     return (a[0], a[1], a[2], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12])
 
 
-@pytest.mark.parametrize("corrupt,match", [
-    ("page_out_of_pool", "outside the pool"),
-    ("last_len_too_long", "kv_last_page_len"),
-    ("last_len_zero", "kv_last_page_len"),
-])
-def test_paged_checked_mode(corrupt, match):
+def _with(pp, field, edit):
+    """``pp`` with one tensor field cloned and edited (or replaced by ``edit``'s result)."""
+    value = getattr(pp, field).clone()
+    edited = edit(value)  # edits in place (returns None) or returns a new tensor
+    return dataclasses.replace(pp, **{field: value if edited is None else edited})
+
+
+def _set(index, value):
+    def edit(t):
+        t[index] = value
+    return edit
+
+
+#: name -> (field, edit, message, malformed shape?): value corruptions the checked mode
+#: catches, shape errors every entry refuses.
+BAD_PAGED = {
+    "page_out_of_pool": ("kv_indices", _set(1, 10**6), "outside the pool", False),
+    "last_len_too_long": ("kv_last_page_len", _set(1, 17), "kv_last_page_len", False),
+    "last_len_zero": ("kv_last_page_len", _set(1, 0), "kv_last_page_len", False),
+    "three_d_pool": ("k_pages", lambda t: t.flatten(0, 1), "4-D", True),
+    "page_size_mismatch": ("v_pages", lambda t: t[:, :8], "same positive number", True),
+    "last_len_shape": ("kv_last_page_len", lambda t: t[:1], "batch_size", True),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PAGED))
+def test_bad_paged_calls(case):
+    """Checked, every case raises naming the field; unchecked, value corruptions run without a crash
+    (the kernel clamps: nothing outside the pages is read) and shape errors are declined."""
+    field, edit, match, shape = BAD_PAGED[case]
     p = make_problem([54, 97], 3, 4, 2, 32, dtype=torch.float32, device=DEVICE, seed=7)
-    pp = paged_problem(p, 16, seed=4)
-    if corrupt == "page_out_of_pool":
-        idx = pp.kv_indices.clone()
-        idx[1] = pp.k_pages.shape[0] + 3
-        pp = pp.__class__(**{**pp.__dict__, "kv_indices": idx})
-    else:
-        last = pp.kv_last_page_len.clone()
-        last[1] = 17 if corrupt == "last_len_too_long" else 0
-        pp = pp.__class__(**{**pp.__dict__, "kv_last_page_len": last})
+    pp = _with(paged_problem(p, 16, seed=4), field, edit)
     with pytest.raises(ValueError, match=match):
         verify_attention(*pp.args(None), **pp.kwargs())
-    # Unchecked, the kernel clamps: no crash, no read outside the pages (values are then unspecified).
     out = p.new_output()
-    assert verify_splitkv_fwd(*pp.args(out), **pp.kwargs(), check=False)
-
-
-@pytest.mark.parametrize("bad,match", [
-    ("three_d_pool", "4-D"),
-    ("page_size_mismatch", "same positive number"),
-    ("last_len_shape", "batch_size"),
-])
-def test_paged_malformed_shapes(bad, match):
-    p = make_problem([54, 97], 3, 4, 2, 32, dtype=torch.float32, device=DEVICE, seed=8)
-    pp = paged_problem(p, 16, seed=5)
-    fields = dict(pp.__dict__)
-    if bad == "three_d_pool":
-        fields["k_pages"] = pp.k_pages.flatten(0, 1)
-    elif bad == "page_size_mismatch":
-        fields["v_pages"] = pp.v_pages[:, :8]
-    else:
-        fields["kv_last_page_len"] = pp.kv_last_page_len[:1]
-    pp = pp.__class__(**fields)
-    with pytest.raises(ValueError, match=match):
-        verify_attention(*pp.args(None), **pp.kwargs())
+    assert verify_splitkv_fwd(*pp.args(out), **pp.kwargs(), check=False) is not shape
