@@ -11,10 +11,13 @@ graph like any other kernel.
 * ``torch.ops.splitkv.verify_attention(q_extend, k_extend, v_extend, k_buffer,
   v_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sinks,
   is_causal, max_len_extend, sm_scale, k_scale, v_scale, split_tokens,
-  return_lse) -> (out, lse)``: :func:`splitkv.verify_attention` without the
-  value checks (a compiled graph must not read the device); ``lse`` is
-  ``[tokens, H_Q]`` float32 with ``return_lse``, else an empty tensor.
-  ``split_tokens = 0`` means adaptive slices.
+  return_lse, kv_last_page_len, window_kv_offsets, logit_cap,
+  sliding_window_size, xai_temperature_len) -> (out, lse)``:
+  :func:`splitkv.verify_attention` without the value checks (a compiled graph
+  must not read the device); ``lse`` is ``[tokens, H_Q]`` float32 with
+  ``return_lse``, else an empty tensor. ``split_tokens = 0`` means adaptive
+  slices; ``kv_last_page_len`` makes the pools paged; the score features are
+  off at ``0`` / ``-1``.
 * ``torch.ops.splitkv.merge_states(v, s) -> (v_merged, s_merged)``:
   :func:`splitkv.merge_states`.
 
@@ -67,11 +70,18 @@ def _verify_attention(
     v_scale: float,
     split_tokens: int,
     return_lse: bool,
+    kv_last_page_len: Optional[Tensor] = None,
+    window_kv_offsets: Optional[Tensor] = None,
+    logit_cap: float = 0.0,
+    sliding_window_size: int = -1,
+    xai_temperature_len: int = -1,
 ) -> Tuple[Tensor, Tensor]:
     result = verify_attention(
         q_extend, k_extend, v_extend, None, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
         custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale, sm_scale=sm_scale,
         sinks=sinks, split_tokens=split_tokens or None, check=False, return_lse=return_lse, one_launch=False,
+        kv_last_page_len=kv_last_page_len, window_kv_offsets=window_kv_offsets, logit_cap=logit_cap,
+        sliding_window_size=sliding_window_size, xai_temperature_len=xai_temperature_len,
     )
     if return_lse:
         return result
@@ -80,7 +90,9 @@ def _verify_attention(
 
 @_verify_attention.register_fake
 def _(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask,
-      mask_indptr, sinks, is_causal, max_len_extend, sm_scale, k_scale, v_scale, split_tokens, return_lse):
+      mask_indptr, sinks, is_causal, max_len_extend, sm_scale, k_scale, v_scale, split_tokens, return_lse,
+      kv_last_page_len=None, window_kv_offsets=None, logit_cap=0.0, sliding_window_size=-1,
+      xai_temperature_len=-1):
     out = q_extend.new_empty((q_extend.shape[0], q_extend.shape[1], v_extend.shape[2]))
     lse_shape = (q_extend.shape[0], q_extend.shape[1]) if return_lse else (0,)
     return out, q_extend.new_empty(lse_shape, dtype=torch.float32)
@@ -101,13 +113,20 @@ def verify_attention_op(
     q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
     custom_mask=None, mask_indptr=None, is_causal=True, max_len_extend=4, *,
     sinks=None, sm_scale=None, k_scale=1.0, v_scale=1.0, split_tokens=None, return_lse=False,
+    kv_last_page_len=None, window_kv_offsets=None, logit_cap=0.0, sliding_window_size=-1, xai_temperature_len=-1,
 ):
-    """``torch.ops.splitkv.verify_attention`` with defaults; returns ``out`` or ``(out, lse)``."""
+    """``torch.ops.splitkv.verify_attention`` with defaults; returns ``out`` or ``(out, lse)``.
+
+    Takes :func:`splitkv.verify_attention`'s keywords, paged pools
+    (``kv_last_page_len``) and score features included.
+    """
     out, lse = torch.ops.splitkv.verify_attention(
         q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
         custom_mask, mask_indptr, sinks, bool(is_causal), int(max_len_extend),
         None if sm_scale is None else float(sm_scale), float(k_scale), float(v_scale),
-        int(split_tokens or 0), bool(return_lse),
+        int(split_tokens or 0), bool(return_lse), kv_last_page_len, window_kv_offsets, float(logit_cap or 0.0),
+        int(sliding_window_size if sliding_window_size is not None else -1),
+        int(xai_temperature_len if xai_temperature_len is not None else -1),
     )
     return (out, lse) if return_lse else out
 

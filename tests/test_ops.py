@@ -55,6 +55,24 @@ def test_fullgraph_compile_no_break_no_recompile():
     assert_matches_reference(out2, p2)
 
 
+def test_fullgraph_compile_paged_pool_and_features():
+    """Paged pools and score features go through the op too, in one graph."""
+    from splitkv.testing import paged_problem
+
+    torch._dynamo.reset()
+    p = _problem([54, 97], seed=4)
+    pp = paged_problem(p, 16, seed=2)
+    features = dict(logit_cap=3.0, sliding_window_size=40)
+
+    def fn(q, k, v, k_pages, v_pages, qo_indptr, kv_indptr, page_ids, last):
+        return splitkv.verify_attention_op(q * 1.0, k, v, k_pages, v_pages, qo_indptr, kv_indptr, page_ids,
+                                           max_len_extend=p.max_len_extend, kv_last_page_len=last, **features)
+
+    a = pp.args(None)
+    out = torch.compile(fn, backend="aot_eager", fullgraph=True)(*a[:3], *a[4:9], pp.kv_last_page_len)
+    assert_matches_reference(out, p, **features)
+
+
 def test_merge_states_op_compiles():
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(0)
