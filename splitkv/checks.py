@@ -7,6 +7,7 @@ so it is safe inside CUDA-graph capture.
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 from dataclasses import dataclass
@@ -204,8 +205,6 @@ def check_features(dims: Dims, logit_cap=0.0, sliding_window_size=-1, window_kv_
     ``window_kv_offsets`` that is not a 1-D int32/int64 ``[bs]`` tensor on
     the inputs' device.
     """
-    import math
-
     if logit_cap is None or isinstance(logit_cap, bool) or not isinstance(logit_cap, numbers.Real) \
             or not math.isfinite(logit_cap) or logit_cap < 0:
         _fail(f"logit_cap must be a finite Python number >= 0 (0: off), got {logit_cap!r}")

@@ -270,8 +270,7 @@ class VerifySplitKV:
         if (batch_size is None or self._config is not None or self.fixed_n_splits is not None
                 or self.split_tokens is not None or interpreting()):
             return None
-        kv_bytes = torch.empty((), dtype=kv_dtype).element_size()
-        return small_batch_tile(max(self.head_dim, self.v_head_dim), self.block_m, kv_bytes,
+        return small_batch_tile(max(self.head_dim, self.v_head_dim), self.block_m, _element_size(kv_dtype),
                                 batch_size * self.head_tiles, self.num_sms)
 
     def config(self, kv_dtype: torch.dtype, batch_size: Optional[int] = None) -> TileConfig:
@@ -282,7 +281,7 @@ class VerifySplitKV:
         if small is not None:
             return TileConfig(self.block_m, *small)
         return tile_config(self.head_dim, self.v_head_dim, rows_per_tile(self.heads_per_tile, self.max_len_extend),
-                           interpreting(), kv_bytes=torch.empty((), dtype=kv_dtype).element_size())
+                           interpreting(), kv_bytes=_element_size(kv_dtype))
 
     def n_splits(self, batch_size: int, prefix_len: int, kv_dtype: torch.dtype = torch.bfloat16) -> int:
         """Grid slices for a batch (static shapes only).
@@ -304,7 +303,7 @@ class VerifySplitKV:
         if self._small_batch(batch_size, kv_dtype) is not None:
             return one_wave_n_splits(batch_size * self.head_tiles, prefix_len, self.num_sms,
                                      min_split_tokens=min_split_tokens())
-        kv_bytes = torch.empty((), dtype=kv_dtype).element_size()
+        kv_bytes = _element_size(kv_dtype)
         return choose_n_splits(
             batch_size, self.head_tiles, prefix_len, self.num_sms,
             programs_per_sm=programs_per_sm(max(self.head_dim, self.v_head_dim), self.block_m, kv_bytes),
@@ -585,6 +584,8 @@ class VerifyPlan:
         are new every step and ``kv_indices`` grows, but shapes, dtypes and
         scalars are the same. Only the split count may change (it follows
         ``len(kv_indices) // batch``, rounded as :func:`splitkv.choose_n_splits` does).
+        ``kv_last_page_len`` and ``window_kv_offsets`` are given again when the
+        plan was made with them (paged pools, mask offsets).
         """
         kv_len = kv_indices.shape[0]
         if kv_len != self.kv_len:
@@ -652,6 +653,11 @@ class VerifyPlan:
                 sc[4], sc[6], sc[8], sc[9], sc[10], s_ot, s_oh,
             ), stream)
         return (out, lse) if self.return_lse else out
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype`` (1 for fp8 pools, 2 for 16-bit ones)."""
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _next_pow2(n: int) -> int:

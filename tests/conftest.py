@@ -76,6 +76,13 @@ def assert_close(out, ref, dtype=None, what="output"):
     return err
 
 
+def gate_args(problem):
+    """The positional arguments of ``can_handle``/``decline_reason`` for a problem (token or paged):
+    ``extend_attention_fwd``'s without ``o_extend``, up to ``max_len_extend``."""
+    a = problem.args(None)
+    return a[:3] + a[4:13]
+
+
 def assert_matches_reference(out, problem, **overrides):
     """Every element written and finite, and within the dtype's error budgets
     (global relative norm and worst row) against the float64 oracle."""

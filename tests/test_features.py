@@ -18,6 +18,7 @@ from conftest import (
     all_counters_zero,
     assert_matches_reference,
     concat_problems,
+    gate_args,
     last_plan,
 )
 from splitkv import VerifyPlan, VerifySplitKV, decline_reason, verify_attention, verify_splitkv_fwd
@@ -148,9 +149,7 @@ def test_bad_feature_values_are_malformed(bad, match):
     p = _problem(torch.float32, mask="tree")
     if "window_kv_offsets" in bad:
         bad = dict(window_kv_offsets=torch.zeros(p.batch_size + 1, dtype=torch.int32, device=DEVICE))
-    reason = decline_reason(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr,
-                            p.kv_indptr, p.kv_indices, p.custom_mask, p.is_causal, p.mask_indptr,
-                            p.max_len_extend, **bad)
+    reason = decline_reason(*gate_args(p), **bad)
     assert reason.startswith("malformed input") and match in reason
     with pytest.raises(ValueError, match=match):
         verify_attention(*p.args(None), **p.kwargs(), **bad)

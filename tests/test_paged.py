@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import DEVICE, DTYPES, MIN_SPLIT, all_counters_zero, assert_matches_reference, last_plan
+from conftest import DEVICE, DTYPES, MIN_SPLIT, all_counters_zero, assert_matches_reference, gate_args, last_plan
 from splitkv import VerifyPlan, VerifySplitKV, decline_reason, verify_attention, verify_splitkv_fwd
 from splitkv.testing import make_problem, paged_problem
 
@@ -78,15 +78,10 @@ def test_paged_fallback_runs_the_baseline_on_the_token_view():
     p = make_problem([54, 97], 3, 4, 2, 32, dtype=torch.float32, device=DEVICE, seed=6, mask="tree")
     pp = paged_problem(p, 16, seed=3)
     kw = dict(pp.kwargs(), skip_prefix_custom_mask=False)
-    assert decline_reason(*_gate_args(pp), skip_prefix_custom_mask=False,
+    assert decline_reason(*gate_args(pp), skip_prefix_custom_mask=False,
                           kv_last_page_len=pp.kv_last_page_len).startswith("custom mask")
     out = verify_attention(*pp.args(None), **kw)
     assert_matches_reference(out, p, skip_prefix_custom_mask=False)
-
-
-def _gate_args(pp):
-    a = pp.args(None)
-    return (a[0], a[1], a[2], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12])
 
 
 def _with(pp, field, edit):

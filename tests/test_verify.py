@@ -21,6 +21,7 @@ from conftest import (
     assert_close,
     assert_matches_reference,
     concat_problems,
+    gate_args,
     last_plan,
     poisoned_workspace_runner,
     prefix_only_mask,
@@ -304,14 +305,9 @@ def test_max_len_extend_contract():
     p = make_problem([54, 33], 4, 4, 2, 32, device=DEVICE)
     out = run_split(p.replace(max_len_extend=5))
     assert_matches_reference(out, p)
-    assert not can_handle(*_gate_args(p.replace(max_len_extend=3)))
-    assert not can_handle(*_gate_args(p.replace(max_len_extend=0)))
-    assert not can_handle(*_gate_args(p.replace(max_len_extend=65)))
-
-
-def _gate_args(p):
-    a = p.args(None)
-    return a[:3] + a[4:13]
+    assert not can_handle(*gate_args(p.replace(max_len_extend=3)))
+    assert not can_handle(*gate_args(p.replace(max_len_extend=0)))
+    assert not can_handle(*gate_args(p.replace(max_len_extend=65)))
 
 
 @pytest.mark.parametrize(
@@ -339,7 +335,7 @@ def test_malformed_input(breakage):
     with pytest.raises(ValueError):
         verify_attention(*p.args(out), **p.kwargs())
     assert not verify_splitkv_fwd(*p.args(out), **p.kwargs())
-    assert decline_reason(*_gate_args(p), o_extend=out).startswith("malformed")
+    assert decline_reason(*gate_args(p), o_extend=out).startswith("malformed")
 
 
 def test_gate_reads_no_values():
@@ -350,7 +346,7 @@ def test_gate_reads_no_values():
         for name in ("q_extend", "k_extend", "v_extend", "k_buffer", "v_buffer", "qo_indptr",
                      "kv_indptr", "kv_indices", "custom_mask", "mask_indptr", "sinks")
     })
-    assert can_handle(*_gate_args(meta), sinks=meta.sinks)
+    assert can_handle(*gate_args(meta), sinks=meta.sinks)
 
 
 # --- the production entry --------------------------------------------------
@@ -365,7 +361,7 @@ def test_verify_attention_is_always_right(features):
 @pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's bf16 limit")
 def test_bf16_under_the_interpreter_is_refused_not_wrong():
     p = make_problem([54], 4, 4, 2, 32, dtype=torch.bfloat16, device=DEVICE)
-    assert decline_reason(*_gate_args(p)).startswith("bfloat16")
+    assert decline_reason(*gate_args(p)).startswith("bfloat16")
     with pytest.raises(NotImplementedError, match="bfloat16"):
         verify_attention(*p.args(None), **p.kwargs())
 
