@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_verify_inputs, interpreting
+from .kernel import soft_cap
 
 __all__ = ["extend_attention_fwd", "MAX_HEAD_DIM"]
 
@@ -52,8 +53,7 @@ def _attend_tile(
     """
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
     if HAS_LOGIT_CAP:
-        # cap * tanh(s / cap), with tanh(x) = 2 * sigmoid(2x) - 1.
-        s = logit_cap * (2.0 * tl.sigmoid(2.0 * s / logit_cap) - 1.0)
+        s = soft_cap(s, logit_cap)
     if HAS_XAI_TEMP:
         s = s * temperature[:, None]
     s = tl.where(visible, s, float("-inf"))

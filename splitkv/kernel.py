@@ -70,7 +70,10 @@ while this grid drains and waits for it in hardware). Both merges share
 ``_tile_slices`` and ``_merge_rows``: same slices, same order, same bits.
 
 Memory layout. Pool rows ``[pool_tokens, H_KV, D]`` are gathered through
-``kv_indices``; K is loaded transposed (``[D, BLOCK_N]``) for the dot. A
+``kv_indices``. The dot wants K as ``[D, BLOCK_N]``: it is either loaded that
+way (addresses walk ``D`` within a key), or, with ``K_ROWS``, loaded as rows
+``[BLOCK_N, D]`` like V (both gathers share one layout of row offsets) and
+transposed on chip; the tile table picks per head dim and pool type. A
 paged pool is ``[pages, PAGE_SIZE, H_KV, D]``: ``kv_indices`` holds page ids,
 key ``n`` is row ``n % PAGE_SIZE`` of page ``kv_indices[kv_start + n //
 PAGE_SIZE]``, and the prefix is ``(pages - 1) * PAGE_SIZE + last_page_len``
@@ -106,6 +109,16 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def soft_cap(s, cap):
+    """``cap * tanh(s / cap)``, as ``cap * (2 sigmoid(2 s / cap) - 1)`` (Triton has no tanh).
+
+    The logit cap of Gemma 2 and Grok; the split kernel and the extend
+    baseline both use it (the split kernel in base 2, see ``_attend_tile``).
+    """
+    return cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0)
+
+
+@triton.jit
 def _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, cap2, temperature,
                  HAS_LOGIT_CAP: tl.constexpr, HAS_XAI_TEMP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax step over a tile of keys.
@@ -123,7 +136,7 @@ def _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, cap2, temperature,
     """
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
     if HAS_LOGIT_CAP:
-        s = cap2 * (2.0 * tl.sigmoid(2.0 * s / cap2) - 1.0)  # tanh(x) = 2 sigmoid(2x) - 1
+        s = soft_cap(s, cap2)
     if HAS_XAI_TEMP:
         s = s * temperature[:, None]
     s = tl.where(visible, s, float("-inf"))
@@ -275,6 +288,7 @@ def _verify_kernel(
     BLOCK_N_DRAFT: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    K_ROWS: tl.constexpr,  # load K as [BLOCK_N, D] rows (like V) and transpose it for the dot
     PAGE_SIZE: tl.constexpr,  # 1: token pool (kv_indices are slots); else kv_indices are page ids
     SPLIT_TOKENS: tl.constexpr,  # > 0: fixed slice length (batch-invariant mode)
     USE_MASK: tl.constexpr,  # draft visibility from custom_mask
@@ -350,10 +364,16 @@ def _verify_kernel(
                 in_page = offs_n % PAGE_SIZE
                 k_row = page * stride_kbt + in_page * stride_kbr
                 v_row = page * stride_vbt + in_page * stride_vbr
-            k = tl.load(
-                K_Buf + k_row[None, :] + kv_head * stride_kbh + offs_d[:, None],
-                mask=n_ok[None, :] & d_ok[:, None], other=0.0,
-            )
+            if K_ROWS:
+                k = tl.trans(tl.load(
+                    K_Buf + k_row[:, None] + kv_head * stride_kbh + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+                ))
+            else:
+                k = tl.load(
+                    K_Buf + k_row[None, :] + kv_head * stride_kbh + offs_d[:, None],
+                    mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+                )
             v = tl.load(
                 V_Buf + v_row[:, None] + kv_head * stride_vbh + offs_dv[None, :],
                 mask=n_ok[:, None] & dv_ok[None, :], other=0.0,
@@ -505,18 +525,22 @@ class TileConfig:
         block_n: prefix keys per loop step.
         num_warps: warps per program.
         num_stages: software-pipelining depth of the key loop.
+        k_rows: load K tiles as ``[BLOCK_N, D]`` rows and transpose them for
+            the dot (else load them as ``[D, BLOCK_N]``); see the module docstring.
     """
 
-    __slots__ = ("block_m", "block_n", "num_warps", "num_stages")
+    __slots__ = ("block_m", "block_n", "num_warps", "num_stages", "k_rows")
 
-    def __init__(self, block_m, block_n, num_warps, num_stages):
+    def __init__(self, block_m, block_n, num_warps, num_stages, k_rows=False):
         self.block_m, self.block_n = block_m, block_n
         self.num_warps, self.num_stages = num_warps, num_stages
+        self.k_rows = bool(k_rows)
 
     def __repr__(self):
+        rows = ", k_rows=True" if self.k_rows else ""
         return (
             f"TileConfig(block_m={self.block_m}, block_n={self.block_n}, "
-            f"num_warps={self.num_warps}, num_stages={self.num_stages})"
+            f"num_warps={self.num_warps}, num_stages={self.num_stages}{rows})"
         )
 
     def __eq__(self, other):
@@ -549,7 +573,8 @@ def tile_config(head_dim: int, v_head_dim: int, rows: int, interpret: bool = Fal
     The table :data:`splitkv.tuning.TUNED` (``python -m splitkv.tune``) holds
     the fastest ``(BLOCK_N, warps, stages)`` measured per (head dim, rows per
     tile, pool element size); a configuration it does not list takes the
-    nearest measured one by head dim and rows.
+    nearest measured one by head dim and rows. The K layout follows
+    :func:`splitkv.tuning.k_rows`.
 
     Args:
         head_dim: query/key head dimension.
@@ -561,10 +586,10 @@ def tile_config(head_dim: int, v_head_dim: int, rows: int, interpret: bool = Fal
     Returns:
         The :class:`TileConfig`.
     """
-    from .tuning import tuned_tile
+    from .tuning import k_rows, tuned_tile
 
     block_m = block_m_for(rows)
     if interpret:
         return TileConfig(block_m, 16, 4, 1)
     block_n, warps, stages = tuned_tile(max(head_dim, v_head_dim), block_m, kv_bytes)
-    return TileConfig(block_m, block_n, warps, stages)
+    return TileConfig(block_m, block_n, warps, stages, k_rows(max(head_dim, v_head_dim), kv_bytes))

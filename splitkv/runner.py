@@ -43,7 +43,7 @@ from .kernel import LOG2E, TileConfig, _merge_kernel, _verify_kernel, block_m_fo
 from .launch import Launcher, _specialization, alignment_bits
 from .occupancy import head_tiles as count_head_tiles
 from .splits import MAX_GRID_SPLITS, MAX_SPLITS, choose_n_splits, device_sm_count, fixed_n_splits, one_wave_n_splits
-from .tuning import min_split_tokens, programs_per_sm, small_batch_tile
+from .tuning import k_rows, min_split_tokens, programs_per_sm, small_batch_tile
 
 __all__ = ["VerifySplitKV", "VerifyPlan", "workspace_bytes", "counters"]
 
@@ -79,7 +79,8 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def counters(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
+def counters(device: torch.device, tiles: int, stream_key: Optional[Tuple[int, int]] = None
+             ) -> Optional[torch.Tensor]:
     """The zeroed tile counters of ``device``'s current stream (at least ``tiles``), or ``None``.
 
     Each stream gets its own array, a slice of a per-device arena that was
@@ -91,9 +92,10 @@ def counters(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
     kernel). Only when no arena has room while capturing does this return
     ``None``, and the plan merges in a second launch instead, which needs no
     counters. Arrays and arenas are never freed (a captured graph may still
-    use them; a few KB per stream).
+    use them; a few KB per stream). ``stream_key``: ``(device index, raw
+    stream)``, when the caller has it already.
     """
-    key = _stream_key(device)
+    key = stream_key or _stream_key(device)
     arr = _COUNTERS.get(key)
     if arr is not None and arr.numel() >= tiles:
         return arr
@@ -279,7 +281,8 @@ class VerifySplitKV:
             return self._config
         small = self._small_batch(batch_size, kv_dtype)
         if small is not None:
-            return TileConfig(self.block_m, *small)
+            return TileConfig(self.block_m, *small, k_rows(max(self.head_dim, self.v_head_dim),
+                                                           _element_size(kv_dtype)))
         return tile_config(self.head_dim, self.v_head_dim, rows_per_tile(self.heads_per_tile, self.max_len_extend),
                            interpreting(), kv_bytes=_element_size(kv_dtype))
 
@@ -480,6 +483,7 @@ class VerifyPlan:
             BLOCK_N_DRAFT=max(16, min(cfg.block_n, _next_pow2(r.max_len_extend))),
             BLOCK_D=_next_pow2(r.head_dim),
             BLOCK_DV=_next_pow2(r.v_head_dim),
+            K_ROWS=cfg.k_rows,
             PAGE_SIZE=self.page_size,
             SPLIT_TOKENS=r.split_tokens or 0,
             USE_MASK=use_mask,
@@ -619,6 +623,7 @@ class VerifyPlan:
         if self.return_lse and lse is None:
             lse = torch.empty(self.out_shape[:2], dtype=torch.float32, device=self.device)
         r = self.runner
+        stream = torch._C._cuda_getCurrentRawStream(self._dev_index) if self._dev_index >= 0 else None
         if self.n_splits == 1:
             # One slice: no partials, no counters; typed placeholders, never read.
             parts = cnt = torch.empty(1, dtype=torch.float32, device=self.device)
@@ -628,7 +633,8 @@ class VerifyPlan:
             lse_offset = self._part_rows * r.v_head_dim
         else:
             parts = torch.empty(self._part_rows * (r.v_head_dim + 1), dtype=torch.float32, device=self.device)
-            cnt = counters(self.device, self._tiles) if self.fused else parts  # only the one-launch merge counts
+            cnt = (counters(self.device, self._tiles, None if stream is None else (self._dev_index, stream))
+                   if self.fused else parts)  # only the one-launch merge counts
             if cnt is None:  # a new stream inside a capture and no zeroed counters left: merge in a second launch
                 self._pick_launchers(spread=True)
                 cnt = parts
@@ -639,19 +645,19 @@ class VerifyPlan:
         s_ot, s_oh = out.stride(0), out.stride(1)
         key = (self._spec, self._meta_dtypes, q_extend.dtype, k_extend.dtype, v_extend.dtype, k_buffer.dtype, v_buffer.dtype,
                out.dtype, s_ot, s_oh, lse_offset < 2**31, alignment_bits(tensors))
-        stream = torch._C._cuda_getCurrentRawStream(self._dev_index) if self._dev_index >= 0 else None
         self._launch(self.grid, (
             q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg,
             *meta, parts, lse_offset, cnt,
             *self._scalars, *self._strides, s_ot, s_oh,
         ), stream, key)
         if self._merge is not None:
-            # scalars: 4 scales, num_tokens, pool_tokens, kv_len, mask_len, n_splits, min_split, window, xai_len
+            # scalars: 4 scales, num_tokens, pool_tokens, kv_len, mask_len, n_splits, min_split, window, xai_len.
+            # Its arguments are a subset of the verify launch's: the same key fixes their specialisation.
             sc = self._scalars
             self._merge(self._merge_grid, (
                 out, lse_arg, meta[0], meta[1], meta[3], meta[7], parts, lse_offset,
                 sc[4], sc[6], sc[8], sc[9], sc[10], s_ot, s_oh,
-            ), stream)
+            ), stream, key)
         return (out, lse) if self.return_lse else out
 
 

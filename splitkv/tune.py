@@ -93,7 +93,8 @@ def sweep_tiles(log):
                     continue  # K and V tiles past the register file: spills
                 for warps in WARPS:
                     for stages in STAGES:
-                        cfg = TileConfig(block_m, bn, warps, stages)
+                        cfg = TileConfig(block_m, bn, warps, stages,
+                                         tuning.k_rows(s.head_dim, p.k_buffer.element_size()))
                         try:
                             plan, run = _timed_plan(p, config=cfg)
                             us = graph_time_us(run)

@@ -438,3 +438,17 @@ def test_small_launches_take_one_wave(monkeypatch):
             assert g.n_splits == min(132 // tiles, cdiv(prefix, tuning.TUNED["min_split_tokens"]))
         else:
             assert (cfg.block_n, cfg.num_stages) != (64, 3) and tiles * tuning.SMALL_BATCH_SMS_PER_TILE > 132
+
+
+def test_k_tile_layout_per_head_dim_and_pool():
+    """K tiles load as rows for 16-bit pools of head dim >= 256 only (the measured rule in
+    ``splitkv.tuning``), whichever schedule (small launch or not) the batch gets."""
+    from splitkv import tuning
+    from splitkv.testing import MODEL_SHAPES
+
+    for s in MODEL_SHAPES.values():
+        for kv_bytes in (2, 1):
+            for bs in (1, 8, 64):
+                cfg = gpu_launch(s.num_q_heads, s.num_kv_heads, s.head_dim, bs, 16384, kv_bytes=kv_bytes).cfg
+                assert cfg.k_rows is (kv_bytes == 2 and s.head_dim >= tuning.K_ROWS_MIN_HEAD_DIM), (s, kv_bytes, bs)
+    assert any(s.head_dim >= tuning.K_ROWS_MIN_HEAD_DIM for s in MODEL_SHAPES.values())

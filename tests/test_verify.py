@@ -38,7 +38,8 @@ from splitkv import (
     workspace_bytes,
 )
 from splitkv.occupancy import min_split_for, n_used
-from splitkv.testing import make_problem, reference_for, relative_error
+from splitkv.kernel import TileConfig
+from splitkv.testing import make_problem, paged_problem, reference_for, relative_error
 
 
 def run_split(problem, **kwargs):
@@ -152,6 +153,28 @@ def test_packed_and_per_head_layouts(pack_gqa):
     """Both tile layouts compute the same function, through many splits."""
     p = make_problem([54, 97, 1], 3, 6, 2, 32, device=DEVICE)
     assert_matches_reference(run_runner(p, 5, pack_gqa=pack_gqa), p)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 5, 16], ids=["tokens", "pages5", "pages16"])
+@pytest.mark.parametrize("k_rows", [False, True], ids=["k-transposed", "k-rows"])
+def test_k_tile_layouts(k_rows, page_size, dtype):
+    """K loaded as [D, BLOCK_N] or as rows, transposed on chip (``TileConfig.k_rows``):
+    the same function, for token and paged pools (pages of 16 hold whole key tiles,
+    pages of 5 do not), with a tree mask, sinks and several slices per sequence."""
+    p = make_problem([54, 97, 1], [4, 3, 2], 4, 2, 32, dtype=dtype, mask="tree", sinks=True, device=DEVICE, seed=5)
+    runner, _ = poisoned_workspace_runner(p, n_splits=5, config=TileConfig(16, 16, 4, 1, k_rows=k_rows))
+    kb, vb, kv_indptr, kv_indices, last = p.k_buffer, p.v_buffer, p.kv_indptr, p.kv_indices, None
+    if page_size > 1:
+        pp = paged_problem(p, page_size, seed=6)
+        kb, vb, kv_indptr, kv_indices, last = pp.k_pages, pp.v_pages, pp.kv_indptr, pp.kv_indices, pp.kv_last_page_len
+    plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, kb, vb, p.qo_indptr, kv_indptr, kv_indices,
+                       p.custom_mask, p.mask_indptr, p.is_causal, sm_scale=p.sm_scale, sinks=p.sinks,
+                       kv_last_page_len=last)
+    assert plan.config.k_rows is k_rows
+    out = plan.run(p.q_extend, p.k_extend, p.v_extend, kb, vb, out=p.new_output())
+    assert_matches_reference(out, p)
+    assert all_counters_zero()
 
 
 def test_group_times_drafts_spans_several_row_tiles():
