@@ -592,4 +592,4 @@ def tile_config(head_dim: int, v_head_dim: int, rows: int, interpret: bool = Fal
     if interpret:
         return TileConfig(block_m, 16, 4, 1)
     block_n, warps, stages = tuned_tile(max(head_dim, v_head_dim), block_m, kv_bytes)
-    return TileConfig(block_m, block_n, warps, stages, k_rows(max(head_dim, v_head_dim), kv_bytes))
+    return TileConfig(block_m, block_n, warps, stages, k_rows(max(head_dim, v_head_dim), block_m, kv_bytes))

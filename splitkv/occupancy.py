@@ -263,7 +263,7 @@ def gpu_launch(num_q_heads: int, num_kv_heads: int, head_dim: int, batch: int, p
     pps = programs_per_sm(head_dim, cfg.block_m, kv_bytes)
     small = small_batch_tile(head_dim, cfg.block_m, kv_bytes, batch * tiles, num_sms)
     if small is not None:
-        cfg, pps = TileConfig(cfg.block_m, *small, k_rows(head_dim, kv_bytes)), 1
+        cfg, pps = TileConfig(cfg.block_m, *small, k_rows(head_dim, cfg.block_m, kv_bytes)), 1
         n = one_wave_n_splits(batch * tiles, prefix, num_sms, min_split_tokens=TUNED["min_split_tokens"])
     else:
         n = choose_n_splits(batch, tiles, prefix, num_sms, programs_per_sm=pps,

@@ -281,7 +281,7 @@ class VerifySplitKV:
             return self._config
         small = self._small_batch(batch_size, kv_dtype)
         if small is not None:
-            return TileConfig(self.block_m, *small, k_rows(max(self.head_dim, self.v_head_dim),
+            return TileConfig(self.block_m, *small, k_rows(max(self.head_dim, self.v_head_dim), self.block_m,
                                                            _element_size(kv_dtype)))
         return tile_config(self.head_dim, self.v_head_dim, rows_per_tile(self.heads_per_tile, self.max_len_extend),
                            interpreting(), kv_bytes=_element_size(kv_dtype))

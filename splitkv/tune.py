@@ -94,7 +94,7 @@ def sweep_tiles(log):
                 for warps in WARPS:
                     for stages in STAGES:
                         cfg = TileConfig(block_m, bn, warps, stages,
-                                         tuning.k_rows(s.head_dim, p.k_buffer.element_size()))
+                                         tuning.k_rows(s.head_dim, block_m, p.k_buffer.element_size()))
                         try:
                             plan, run = _timed_plan(p, config=cfg)
                             us = graph_time_us(run)

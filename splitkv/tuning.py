@@ -28,7 +28,7 @@ from typing import Dict, Tuple
 from .checks import interpreting
 
 __all__ = ["TUNED", "tuned_tile", "programs_per_sm", "min_split_tokens", "small_batch_tile", "TABLE_PATH",
-           "SMALL_BATCH_SMS_PER_TILE", "k_rows", "K_ROWS_MIN_HEAD_DIM"]
+           "SMALL_BATCH_SMS_PER_TILE", "k_rows", "K_ROWS_MIN_HEAD_DIM", "K_ROWS_MIN_BLOCK_M"]
 
 #: Where the sweep's table lives.
 TABLE_PATH = os.path.join(os.path.dirname(__file__), "tuned_h200.json")
@@ -74,18 +74,21 @@ def tuned_tile(head_dim: int, block_m: int, kv_bytes: int) -> Tuple[int, int, in
     return row["block_n"], row["num_warps"], row["num_stages"]
 
 
-#: Head dims from which K tiles are loaded as rows and transposed on chip
-#: (``TileConfig.k_rows``), for 16-bit pools. Measured on the H200
-#: (2026-11-30, CUDA-graph replays): Qwen3-Next (16/2 x 256, bf16) 6-11 %
-#: faster at batch 1-8, 4k-64k (batch 8 / 64k: 362 -> 323 us); head dim 128
-#: no faster (Qwen3-32B batch 1 / 4k 23.9 -> 25.4 us) and fp8 pools slower
-#: (Llama-3-8B batch 8 / 64k 523 -> 568 us), so those keep the transposed load.
+#: Where K tiles are loaded as rows and transposed on chip
+#: (``TileConfig.k_rows``): 16-bit pools, head dim and BLOCK_M at least
+#: these. Measured on the H200 (2026-11-30, CUDA-graph replays):
+#: Qwen3-Next (16/2 x 256, BLOCK_M 32, bf16) 6-11 % faster at batch 1-8,
+#: 4k-64k (batch 8 / 64k: 362 -> 323 us); Gemma-2-9B (16/8 x 256, BLOCK_M
+#: 16) no faster, and 13 % slower with its logit cap (64k: 1166 -> 1317 us);
+#: head dim 128 no faster (Qwen3-32B batch 1 / 4k 23.9 -> 25.4 us); fp8
+#: pools slower (Llama-3-8B batch 8 / 64k 523 -> 568 us).
 K_ROWS_MIN_HEAD_DIM = 256
+K_ROWS_MIN_BLOCK_M = 32
 
 
-def k_rows(head_dim: int, kv_bytes: int) -> bool:
+def k_rows(head_dim: int, block_m: int, kv_bytes: int) -> bool:
     """Whether K tiles load as ``[BLOCK_N, D]`` rows (see :data:`K_ROWS_MIN_HEAD_DIM`)."""
-    return kv_bytes == 2 and head_dim >= K_ROWS_MIN_HEAD_DIM
+    return kv_bytes == 2 and head_dim >= K_ROWS_MIN_HEAD_DIM and block_m >= K_ROWS_MIN_BLOCK_M
 
 
 def programs_per_sm(head_dim: int, block_m: int, kv_bytes: int) -> int:
