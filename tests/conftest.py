@@ -463,7 +463,11 @@ def run_unchecked_in_subprocess(cases, timeout=600):
     env = dict(os.environ)
     env.pop("SPLITKV_CHECK", None)
     here = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {here!r}); import conftest; conftest._child_main()"
+    import splitkv  # the child imports the same package, however this process found it (install or PYTHONPATH)
+
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(splitkv.__file__)))
+    code = (f"import sys; sys.path[:0] = [{here!r}, {package_root!r}]; import conftest; "
+            f"conftest._child_main()")
     proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(cases), capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=here)
     report = f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
