@@ -38,7 +38,20 @@ Sharding. How the prefix is cut is the caller's (the engine's) choice, as long
 as every key is on exactly one rank; :func:`shard_prefix` implements the two
 usual layouts, by contiguous chunks and by round-robin blocks (its docstring
 draws them), and :func:`shard_mask` re-lays a tree mask for a rank's local
-prefix length. A rank holding no key of a sequence (an *empty shard*: a short
+prefix length.
+
+Paged pools. With ``k_buffer``/``v_buffer`` of shape ``[pages, page_size,
+H_KV, D]`` the entries of ``kv_indices`` are page ids (:mod:`splitkv.paged`),
+and a rank holds whole pages: :func:`shard_prefix` deals them out like
+tokens (``block`` then counts pages), :func:`shard_last_page_len` gives the
+rank's ``kv_last_page_len`` (the sequence's own on the rank holding its last
+page, a full page elsewhere), and :func:`shard_mask` takes ``page_size`` and
+``kv_last_page_len`` to lay a tree mask out in keys.
+
+Score features. The logit cap changes each score alone, so it is served as on
+one GPU. The sliding window and the xai temperature depend on each key's and
+query's absolute position, which a shard's kernel does not see (it counts
+positions within the shard): the context-parallel entries do not take them. A rank holding no key of a sequence (an *empty shard*: a short
 sequence, or a round-robin block not yet reached) computes the empty state
 ``s_r = -inf``, which weighs 0 in the merge.
 
@@ -50,8 +63,8 @@ Entry points:
   the output if none is given, the split-KV scratch) and are graph-capturable;
 * :func:`cp_verify_attention` -- one call (plans cached by signature), the
   arguments of :func:`splitkv.verify_attention`;
-* :func:`shard_prefix`, :func:`shard_mask`, :func:`shard_owner` -- sharding
-  metadata for engines;
+* :func:`shard_prefix`, :func:`shard_mask`, :func:`shard_owner`,
+  :func:`shard_last_page_len` -- sharding metadata for engines;
 * for tests and notebooks, :mod:`splitkv.testing.parallel`: shard a
   :class:`~splitkv.testing.VerifyProblem`, run a whole world in one process,
   or spawn a local gloo world on ``127.0.0.1`` (CPU, Triton interpreter).
@@ -87,6 +100,7 @@ __all__ = [
     "shard_owner",
     "shard_prefix",
     "shard_mask",
+    "shard_last_page_len",
     "clear_cp_caches",
 ]
 
@@ -223,8 +237,82 @@ def shard_prefix(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, world_size: 
     return PrefixShard(indptr, local, positions, counts)
 
 
+def _entry_sequences(shard: PrefixShard) -> torch.Tensor:
+    """The sequence of every local entry of ``shard`` (``[n_local]`` int64)."""
+    ptr = shard.kv_indptr.to(dtype=torch.int64, device=shard.positions.device)
+    j = torch.arange(int(ptr[-1]), device=ptr.device, dtype=torch.int64)
+    return torch.searchsorted(ptr, j, right=True) - 1
+
+
+def shard_last_page_len(shard: PrefixShard, kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor,
+                        page_size: int) -> torch.Tensor:
+    """A rank's ``kv_last_page_len`` for its shard of a paged prefix.
+
+    With a paged pool the entries :func:`shard_prefix` deals out are pages, in
+    prefix order. A sequence's last page holds ``kv_last_page_len[b]`` keys,
+    every other page ``page_size``; the rank holding the last page has it last
+    in its local list, so its local last-page length is the sequence's own;
+    on every other rank the local last page is full::
+
+        pages of one sequence (page_size 4, last page 2 rows), two ranks, chunks
+        global:  [####][####][####][##  ]      kv_last_page_len = 2
+        rank 0:  [####][####]                  local last page len 4
+        rank 1:              [####][##  ]      local last page len 2
+
+    Args:
+        shard: the rank's :class:`PrefixShard` of the page entries.
+        kv_indptr: ``[bs + 1]`` *global* ranges of the page ids.
+        kv_last_page_len: ``[bs]`` global last-page lengths.
+        page_size: rows per page.
+
+    Returns:
+        ``[bs]`` int32 on ``kv_last_page_len``'s device (0 for a sequence
+        this rank holds no page of, as for a sequence without prefix).
+    """
+    device = kv_last_page_len.device
+    kvp = kv_indptr.to(device=device, dtype=torch.int64)
+    n_pages = kvp[1:] - kvp[:-1]
+    seq = _entry_sequences(shard).to(device)
+    positions = shard.positions.to(device)
+    holds_last = torch.zeros(n_pages.shape[0], dtype=torch.bool, device=device)
+    if seq.numel():
+        holds_last[seq[positions == n_pages[seq] - 1]] = True
+    full = torch.full_like(kv_last_page_len, page_size)
+    held = shard.prefix_lens.to(device) > 0
+    return torch.where(held, torch.where(holds_last, kv_last_page_len, full), 0).to(torch.int32)
+
+
+def _key_shard(shard: PrefixShard, kv_indptr: torch.Tensor, page_size: int,
+               kv_last_page_len: torch.Tensor) -> Tuple[PrefixShard, torch.Tensor]:
+    """A paged shard seen key by key: ``(shard of keys, global keys per sequence)``.
+
+    Local page ``q`` of sequence ``b`` holds keys ``q * page_size + [0, rows)``
+    (``rows`` = ``page_size``, or the last-page length on the last page).
+    Only the key positions and counts are filled in (what :func:`shard_mask` reads).
+    """
+    device = shard.positions.device
+    i64 = torch.int64
+    kvp = kv_indptr.to(device=device, dtype=i64)
+    n_pages = kvp[1:] - kvp[:-1]
+    last = kv_last_page_len.to(device=device, dtype=i64)
+    n_keys = torch.where(n_pages > 0, (n_pages - 1) * page_size + last, 0)
+    seq = _entry_sequences(shard)
+    page_pos = shard.positions.to(device)
+    rows = torch.where(page_pos == n_pages[seq] - 1, last[seq], page_size) if seq.numel() else page_pos
+    key_pos = torch.repeat_interleave(page_pos * page_size, rows)
+    key_pos = key_pos + (torch.arange(key_pos.numel(), device=device, dtype=i64)
+                         - torch.repeat_interleave(torch.cumsum(rows, 0) - rows, rows))
+    counts = torch.zeros(n_pages.shape[0], dtype=i64, device=device)
+    if seq.numel():
+        counts.index_add_(0, seq, rows)
+    indptr = torch.zeros(n_pages.shape[0] + 1, dtype=torch.int32, device=device)
+    indptr[1:] = torch.cumsum(counts, 0)
+    return PrefixShard(indptr, shard.kv_indices, key_pos, counts), n_keys
+
+
 def shard_mask(custom_mask: torch.Tensor, mask_indptr: torch.Tensor, qo_indptr: torch.Tensor,
-               kv_indptr: torch.Tensor, shard: PrefixShard) -> Tuple[torch.Tensor, torch.Tensor]:
+               kv_indptr: torch.Tensor, shard: PrefixShard, *, page_size: int = 1,
+               kv_last_page_len: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """A tree mask re-laid for a rank's local prefix.
 
     The kernel reads row ``l`` of sequence ``b``'s mask as ``[prefix keys |
@@ -246,6 +334,8 @@ def shard_mask(custom_mask: torch.Tensor, mask_indptr: torch.Tensor, qo_indptr: 
         qo_indptr: ``[bs + 1]`` draft rows of each sequence.
         kv_indptr: ``[bs + 1]`` *global* prefix ranges (for the global widths).
         shard: the rank's :class:`PrefixShard` from :func:`shard_prefix`.
+        page_size, kv_last_page_len: for a paged pool (the shard deals pages):
+            the mask's columns are keys, which these turn the pages into.
 
     Returns:
         ``(local_mask, local_mask_indptr)``: same dtype as ``custom_mask``,
@@ -257,7 +347,10 @@ def shard_mask(custom_mask: torch.Tensor, mask_indptr: torch.Tensor, qo_indptr: 
     kvp = kv_indptr.to(device=device, dtype=i64)
     mp = mask_indptr.to(device=device, dtype=i64)
     n_draft = qo[1:] - qo[:-1]
-    n_glob = kvp[1:] - kvp[:-1]
+    if kv_last_page_len is not None:
+        shard, n_glob = _key_shard(shard, kvp, page_size, kv_last_page_len.to(device))
+    else:
+        n_glob = kvp[1:] - kvp[:-1]
     n_loc = shard.prefix_lens.to(device=device, dtype=i64)
     loc_ptr = shard.kv_indptr.to(device=device, dtype=i64)
     positions = shard.positions.to(device)
@@ -364,6 +457,7 @@ class ContextParallelVerify:
         custom_mask=None, mask_indptr=None, is_causal=True, *,
         sm_scale: Optional[float] = None, k_scale: float = 1.0, v_scale: float = 1.0,
         sinks=None, return_lse: bool = False, check: bool = False,
+        logit_cap: float = 0.0, kv_last_page_len=None,
     ) -> "ContextParallelPlan":
         """Plan one step on this rank (every rank of the group calls it).
 
@@ -382,6 +476,11 @@ class ContextParallelVerify:
             check: validate metadata values and that every rank planned the same
                 draft shapes (reads the device and talks to the group: not under
                 graph capture).
+            logit_cap: if ``> 0``, scores ``s`` become ``cap * tanh(s / cap)`` (on
+                every rank: give the same value everywhere).
+            kv_last_page_len: ``[bs]`` for a paged local pool (``k_buffer`` of
+                shape ``[pages, page_size, H_KV, D]``, ``kv_indices`` page ids):
+                this rank's last-page lengths (:func:`shard_last_page_len`).
 
         Returns:
             The :class:`ContextParallelPlan`.
@@ -398,8 +497,9 @@ class ContextParallelVerify:
             kv_indices = torch.zeros(1, dtype=kv_indices.dtype, device=kv_indices.device)
         reason = decline_reason(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
                                 custom_mask, is_causal, mask_indptr, self.runner.max_len_extend, sinks=sinks,
-                                k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale, max_bs=self.runner.max_bs,
-                                split_tokens=self.runner.split_tokens)
+                                logit_cap=logit_cap, k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale,
+                                max_bs=self.runner.max_bs, split_tokens=self.runner.split_tokens,
+                                kv_last_page_len=kv_last_page_len)
         if reason is not None:
             if reason.startswith("malformed input"):
                 raise ValueError(reason)
@@ -407,7 +507,8 @@ class ContextParallelVerify:
         local = self.runner.plan(
             q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
             custom_mask, mask_indptr, is_causal, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-            sinks=sinks, return_lse=True, attend_draft=draft, check=check,
+            sinks=sinks, return_lse=True, attend_draft=draft, check=check, logit_cap=logit_cap,
+            kv_last_page_len=kv_last_page_len,
         )
         return ContextParallelPlan(self, local, return_lse=return_lse, check=check)
 
@@ -494,13 +595,14 @@ class ContextParallelPlan:
             raise ValueError(f"ranks planned different draft shapes (tokens, heads, dims, dtype, batch, bytes): "
                              f"{every}")
 
-    def rebind(self, qo_indptr, kv_indptr, kv_indices, custom_mask=None, mask_indptr=None, sinks=None) -> None:
+    def rebind(self, qo_indptr, kv_indptr, kv_indices, custom_mask=None, mask_indptr=None, sinks=None,
+               kv_last_page_len=None) -> None:
         """Point the plan at another step's metadata of the same signature (see :meth:`splitkv.VerifyPlan.rebind`)."""
         if not self.cp.owns_draft:
             custom_mask = mask_indptr = sinks = None
         if kv_indices.numel() == 0:
             kv_indices = torch.zeros(1, dtype=kv_indices.dtype, device=kv_indices.device)
-        self.local.rebind(qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sinks)
+        self.local.rebind(qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sinks, kv_last_page_len)
 
     # The three stages, separately (the benchmark times them one by one).
 
@@ -566,6 +668,7 @@ def cp_verify_attention(
     k_scale=1.0, v_scale=1.0, sm_scale=None, sinks=None, *,
     group=None, draft_rank: int = 0, dst: DstType = None, return_lse: bool = False,
     max_bs: Optional[int] = None, split_tokens: Optional[int] = None, check: Optional[bool] = None,
+    logit_cap: float = 0.0, kv_last_page_len=None,
 ):
     """Context-parallel verify attention in one call (every rank of ``group`` calls it).
 
@@ -585,6 +688,9 @@ def cp_verify_attention(
             :class:`splitkv.VerifySplitKV`.
         check: validate metadata values (default ``SPLITKV_CHECK``; skipped
             under graph capture).
+        logit_cap: as for :meth:`ContextParallelVerify.plan`.
+        kv_last_page_len: this rank's last-page lengths, for a paged local pool
+            (:func:`shard_last_page_len`).
 
     Returns:
         On merging ranks ``o_extend`` (new if ``None``) or ``(o, lse)``; ``None`` elsewhere.
@@ -592,7 +698,8 @@ def cp_verify_attention(
     rank, world = _group_info(group)
     dims = check_verify_inputs(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr,
                                kv_indices, custom_mask if rank == draft_rank else None,
-                               mask_indptr if rank == draft_rank else None, max_len_extend, sinks)
+                               mask_indptr if rank == draft_rank else None, max_len_extend, sinks,
+                               kv_last_page_len=kv_last_page_len)
     check = _checking(check)
     bs = dims.batch_size
     max_bs = max(max_bs or 1, bs)
@@ -611,20 +718,23 @@ def cp_verify_attention(
            qo_indptr.shape, qo_indptr.dtype, kv_indptr.dtype, kv_indices.dtype, use_mask,
            None if not use_mask else (custom_mask.dtype, mask_indptr.dtype),
            None if sinks is None else (sinks.dtype,), bool(is_causal), float(k_scale), float(v_scale),
-           sm_scale, return_lse)
+           sm_scale, return_lse, float(logit_cap),
+           None if kv_last_page_len is None else (kv_last_page_len.shape, kv_last_page_len.dtype))
     plan = _CP_PLANS.get(key)
     if plan is not None:
         _CP_PLANS.move_to_end(key)
         plan.rebind(qo_indptr, kv_indptr, kv_indices, custom_mask if use_mask else None,
-                    mask_indptr if use_mask else None, sinks)
+                    mask_indptr if use_mask else None, sinks, kv_last_page_len)
         if check:
             check_verify_values(qo_indptr, kv_indptr, kv_indices, k_buffer.shape[0], int(max_len_extend),
                                 custom_mask if use_mask else None, mask_indptr if use_mask else None,
-                                num_tokens=dims.num_tokens)
+                                num_tokens=dims.num_tokens, kv_last_page_len=kv_last_page_len,
+                                page_size=dims.page_size)
     else:
         plan = cp.plan(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
                        custom_mask, mask_indptr, is_causal, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-                       sinks=sinks, return_lse=return_lse, check=check)
+                       sinks=sinks, return_lse=return_lse, check=check, logit_cap=logit_cap,
+                       kv_last_page_len=kv_last_page_len)
         _CP_PLANS[key] = plan
         if len(_CP_PLANS) > CP_PLAN_CACHE_SIZE:
             _CP_PLANS.popitem(last=False)

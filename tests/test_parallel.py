@@ -22,9 +22,22 @@ import torch
 
 from conftest import CUDA, TOLERANCE
 from splitkv import VerifySplitKV, verify_attention
-from splitkv.parallel import ContextParallelVerify, cp_verify_attention, shard_mask, shard_owner, shard_prefix
-from splitkv.testing.parallel import launch_local, run_cases, shard_problem, simulate_context_parallel
-from splitkv.testing import make_problem, reference_for, relative_error
+from splitkv.parallel import (
+    ContextParallelVerify,
+    cp_verify_attention,
+    shard_last_page_len,
+    shard_mask,
+    shard_owner,
+    shard_prefix,
+)
+from splitkv.testing.parallel import (
+    launch_local,
+    run_cases,
+    shard_paged_problem,
+    shard_problem,
+    simulate_context_parallel,
+)
+from splitkv.testing import make_problem, paged_problem, reference_for, relative_error
 
 #: LSE budgets (absolute, natural log) against the float64 oracle.
 LSE_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -143,6 +156,38 @@ def test_shard_mask_keeps_the_local_columns(mode, block):
             assert torch.equal(loc[:, :n_l], glob[:, pos])
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode,block", [("chunk", None), ("round_robin", 2)])
+@pytest.mark.parametrize("page_size", [5, 16])
+def test_paged_shards_hold_every_key_once(page_size, mode, block, world):
+    """Whole pages dealt out: local last-page lengths add up to every prefix, and the
+    mask re-laid in keys keeps, per row, the global columns of the keys the rank holds."""
+    p = small([0, 3, 40, 21, 16], [3, 5, 2, 6, 2], mask="tree", seed=3)
+    pp = paged_problem(p, page_size, seed=2)
+    qo, mp = p.qo_indptr.tolist(), p.mask_indptr.tolist()
+    held = torch.zeros(p.batch_size, dtype=torch.int64)
+    for rank in range(world):
+        sh = shard_prefix(pp.kv_indptr, pp.kv_indices, world, rank, mode, block)
+        last = shard_last_page_len(sh, pp.kv_indptr, pp.kv_last_page_len, page_size)
+        mask, mptr = shard_mask(p.custom_mask, p.mask_indptr, p.qo_indptr, pp.kv_indptr, sh,
+                                page_size=page_size, kv_last_page_len=pp.kv_last_page_len)
+        for b in range(p.batch_size):
+            pages = sh.positions[int(sh.kv_indptr[b]): int(sh.kv_indptr[b + 1])].tolist()
+            n_glob, n_pages = p.prefix_lens[b], -(-p.prefix_lens[b] // page_size)
+            keys = [q * page_size + i for q in pages for i in range(page_size) if q * page_size + i < n_glob]
+            n_loc = 0 if not pages else (len(pages) - 1) * page_size + int(last[b])
+            assert n_loc == len(keys), (rank, b)
+            want = int(pp.kv_last_page_len[b]) if n_pages - 1 in pages else page_size if pages else 0
+            assert int(last[b]) == want, (rank, b)
+            held[b] += n_loc
+            L = qo[b + 1] - qo[b]
+            glob = p.custom_mask[mp[b]: mp[b] + L * (n_glob + L)].view(L, n_glob + L)
+            loc = mask[int(mptr[b]): int(mptr[b + 1])].view(L, n_loc + L)
+            assert torch.equal(loc[:, n_loc:], glob[:, n_glob:])
+            assert torch.equal(loc[:, :n_loc], glob[:, keys])
+    assert held.tolist() == p.prefix_lens
+
+
 def test_the_global_mask_is_wrong_for_a_shard():
     """Why shard_mask exists: the kernel offsets mask rows by the local prefix length."""
     p = small([60, 45], [6, 5], dtype=torch.float32, mask="tree", seed=4)
@@ -205,6 +250,67 @@ def test_simulated_world_matches_oracle(dtype, world, mode, block, draft_rank):
     rows = slice(0, 3)
     for r in range(world):
         assert torch.isinf(s_parts[rows, r]).all() == (r != draft_rank)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("page_size,world,mode,block", [
+    (5, 2, "chunk", None), (16, 3, "chunk", None), (16, 2, "round_robin", 2), (4, 3, "round_robin", 1),
+])
+def test_simulated_paged_world_with_logit_cap_matches_oracle(dtype, page_size, world, mode, block):
+    """Paged local pools (whole pages per rank, NaN in every unused page row) and a logit cap,
+    with a tree mask, sinks and several slices per shard: the merged world is the oracle."""
+    p = small([0, 1, 70, 130, 33], [3, 2, 5, 4, 1], dtype=dtype, mask="tree", sinks=True, seed=8)
+    cap = 3.0
+    ref_o, ref_s = reference_for(p, return_lse=True, logit_cap=cap)
+    out, lse = simulate_context_parallel(p, world, mode, block, draft_rank=world - 1, n_splits=2,
+                                         page_size=page_size, logit_cap=cap)
+    assert_close(out, ref_o, dtype)
+    assert (lse.double() - ref_s).abs().max().item() < LSE_TOL[dtype]
+    assert relative_error(out, reference_for(p)) > 10 * TOLERANCE[dtype]  # the cap changed the answer
+
+
+def test_world_of_one_paged_with_logit_cap():
+    """The production entries take a paged local pool and a logit cap; the one-call entry
+    rebinds its cached plan to the next step's page table."""
+    p = small([90, 5, 0], [4, 3, 2], dtype=torch.float32, mask="tree", sinks=True, seed=9)
+    pp = paged_problem(p, 16, seed=3)
+    cap = 4.0
+    cp = ContextParallelVerify(4, 2, 32, 32, 4, 3, "cpu", n_splits=3)
+    plan = cp.plan(p.q_extend, p.k_extend, p.v_extend, pp.k_pages, pp.v_pages, p.qo_indptr, pp.kv_indptr,
+                   pp.kv_indices, p.custom_mask, p.mask_indptr, p.is_causal, sm_scale=p.sm_scale, sinks=p.sinks,
+                   logit_cap=cap, kv_last_page_len=pp.kv_last_page_len, check=True)
+    out = plan.run(p.q_extend, p.k_extend, p.v_extend, pp.k_pages, pp.v_pages)
+    assert_close(out, reference_for(p, logit_cap=cap), torch.float32)
+    for seed in (3, 4):  # the second call reuses the cached plan with another page table
+        pp = paged_problem(p, 16, seed=seed)
+        got = cp_verify_attention(*pp.args(p.new_output()), sm_scale=p.sm_scale, sinks=p.sinks, logit_cap=cap,
+                                  kv_last_page_len=pp.kv_last_page_len, check=True)
+        assert_close(got, reference_for(p, logit_cap=cap), torch.float32)
+
+
+def test_shard_paged_problem_is_a_paged_problem():
+    """shard_paged_problem's local problem runs through the plain split path too."""
+    p = small([50, 17], [2, 3], dtype=torch.float32, mask="chain", seed=10)
+    pp = paged_problem(p, 8, seed=1)
+    local = shard_paged_problem(pp, 2, 1, "chunk")
+    assert local.problem.prefix_lens == [50 - 24, 17 - 8]  # pages [3, 7) and [1, 3) of 7 and 3
+    out = verify_attention(*local.args(local.problem.new_output()), **local.kwargs())
+    assert_close(out, reference_for(local.problem.replace(k_buffer=p.k_buffer, v_buffer=p.v_buffer,
+                                                          kv_indptr=_token_indptr(p, local.problem.prefix_lens),
+                                                          kv_indices=_tail_slots(p, local.problem.prefix_lens))),
+                 torch.float32)
+
+
+def _token_indptr(p, lens):
+    indptr = torch.zeros(len(lens) + 1, dtype=p.kv_indptr.dtype)
+    indptr[1:] = torch.cumsum(torch.tensor(lens), 0)
+    return indptr
+
+
+def _tail_slots(p, lens):
+    """The token-pool slots of the last ``lens[b]`` keys of each sequence (rank 1's chunk)."""
+    kvp = p.kv_indptr.tolist()
+    return torch.cat([p.kv_indices[kvp[b + 1] - n: kvp[b + 1]] for b, n in enumerate(lens)])
 
 
 def test_world_of_one_without_distributed():

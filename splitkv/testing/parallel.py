@@ -1,6 +1,7 @@
 """Context parallelism for tests, notebooks and benchmarks: shard problems, run worlds locally.
 
 * :func:`shard_problem` -- one rank's view of a :class:`~splitkv.testing.VerifyProblem`;
+* :func:`shard_paged_problem` -- the same for a :class:`~splitkv.testing.PagedProblem` (whole pages);
 * :func:`simulate_context_parallel` -- every rank's step in one process, merged;
 * :func:`launch_local` -- ``fn(rank, world_size, ...)`` in fresh processes joined
   by a gloo group on ``127.0.0.1``; :func:`run_cases` is such an ``fn``.
@@ -21,11 +22,11 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from ..merge import merge_states
-from ..parallel import ContextParallelVerify, cp_verify_attention, dist, shard_mask, shard_prefix
+from ..parallel import ContextParallelVerify, cp_verify_attention, dist, shard_last_page_len, shard_mask, shard_prefix
 from ..runner import VerifySplitKV
-from .problem import make_problem
+from .problem import PagedProblem, make_problem, paged_problem
 
-__all__ = ["shard_problem", "simulate_context_parallel", "launch_local", "run_cases"]
+__all__ = ["shard_problem", "shard_paged_problem", "simulate_context_parallel", "launch_local", "run_cases"]
 
 
 def _dtype_of(t: Optional[torch.Tensor]):
@@ -77,11 +78,41 @@ def shard_problem(problem, world_size: int, rank: int, mode: str = "chunk", bloc
                      prefix_lens=[int(x) for x in shard.prefix_lens.tolist()])
 
 
+def shard_paged_problem(paged: PagedProblem, world_size: int, rank: int, mode: str = "chunk",
+                        block: Optional[int] = None) -> PagedProblem:
+    """Rank ``rank``'s view of a :class:`~splitkv.testing.PagedProblem`: whole pages.
+
+    :func:`shard_prefix` deals the page ids out (``block`` counts pages),
+    :func:`shard_last_page_len` gives the local last-page lengths and
+    :func:`shard_mask` re-lays a tree mask in keys. The page pool is the
+    global one (a rank's pages are a subset of it). The returned problem's
+    inner ``problem`` carries the local mask and the local prefix lengths in
+    keys; its token-pool fields are the global ones and unused.
+    """
+    p = paged.problem
+    shard = shard_prefix(paged.kv_indptr, paged.kv_indices, world_size, rank, mode, block)
+    last = shard_last_page_len(shard, paged.kv_indptr, paged.kv_last_page_len, paged.page_size)
+    pages = shard.prefix_lens.tolist()
+    keys = [0 if n == 0 else (n - 1) * paged.page_size + int(x) for n, x in zip(pages, last.tolist())]
+    custom_mask, mask_indptr = p.custom_mask, p.mask_indptr
+    if custom_mask is not None:
+        custom_mask, mask_indptr = shard_mask(custom_mask, mask_indptr, p.qo_indptr, paged.kv_indptr, shard,
+                                              page_size=paged.page_size, kv_last_page_len=paged.kv_last_page_len)
+        mask_indptr = mask_indptr.to(_dtype_of(p.mask_indptr))
+    return PagedProblem(
+        problem=p.replace(custom_mask=custom_mask, mask_indptr=mask_indptr, prefix_lens=keys),
+        k_pages=paged.k_pages, v_pages=paged.v_pages,
+        kv_indptr=shard.kv_indptr.to(paged.kv_indptr.dtype), kv_indices=shard.kv_indices,
+        kv_last_page_len=last, page_size=paged.page_size,
+    )
+
+
 # ---- A world in one process (tests, notebooks) ---------------------------------------------------
 
 
 def simulate_context_parallel(problem, world_size: int, mode: str = "chunk", block: Optional[int] = None, *,
-                              draft_rank: int = 0, n_splits: Optional[int] = None, return_partials: bool = False):
+                              draft_rank: int = 0, n_splits: Optional[int] = None, return_partials: bool = False,
+                              page_size: int = 1, logit_cap: float = 0.0):
     """Every rank's step run in this process, one after another, then merged.
 
     The same computation as a real world (:func:`shard_problem` per rank, the
@@ -95,15 +126,27 @@ def simulate_context_parallel(problem, world_size: int, mode: str = "chunk", blo
         draft_rank: the rank attending the draft block.
         n_splits: force the kernel's prefix slices (default: the chooser's).
         return_partials: also return the per-rank states.
+        page_size: ``> 1`` lays the prefixes out in pages of this size
+            (:func:`~splitkv.testing.paged_problem`) and shards whole pages
+            (:func:`shard_paged_problem`; ``block`` then counts pages).
+        logit_cap: the score feature, on every rank.
 
     Returns:
         ``(out, lse)`` merged; with ``return_partials`` also ``(o_parts
         [tokens, W, H, Dv], lse_parts [tokens, W, H])``.
     """
     p = problem
+    paged = paged_problem(p, page_size, seed=1) if page_size > 1 else None
     o_parts, s_parts = [], []
     for rank in range(world_size):
-        lp = shard_problem(p, world_size, rank, mode, block)
+        last = None
+        if paged is None:
+            lp = shard_problem(p, world_size, rank, mode, block)
+        else:
+            local = shard_paged_problem(paged, world_size, rank, mode, block)
+            lp = local.problem.replace(k_buffer=local.k_pages, v_buffer=local.v_pages, kv_indptr=local.kv_indptr,
+                                       kv_indices=local.kv_indices)
+            last = local.kv_last_page_len
         runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
                                p.batch_size, p.q_extend.device, n_splits=n_splits)
         draft = rank == draft_rank
@@ -111,7 +154,8 @@ def simulate_context_parallel(problem, world_size: int, mode: str = "chunk", blo
                            lp.kv_indptr, lp.kv_indices, lp.custom_mask if draft else None,
                            lp.mask_indptr if draft else None, lp.is_causal, sm_scale=lp.sm_scale,
                            k_scale=lp.k_scale, v_scale=lp.v_scale, sinks=lp.sinks if draft else None,
-                           return_lse=True, attend_draft=draft, check=True)
+                           return_lse=True, attend_draft=draft, check=True, logit_cap=logit_cap,
+                           kv_last_page_len=last)
         o, s = plan.run(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer)
         o_parts.append(o)
         s_parts.append(s)
