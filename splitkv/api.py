@@ -35,6 +35,7 @@ import torch
 from .checks import check_verify_inputs, check_verify_values
 from .extend import extend_attention_fwd
 from .gate import decline_reason
+from .paged import flat_pool, token_indices
 from .runner import VerifyPlan, VerifySplitKV
 
 __all__ = ["verify_splitkv_fwd", "verify_attention", "get_runner", "clear_caches"]
@@ -357,8 +358,6 @@ def verify_attention(
     if return_lse:
         raise NotImplementedError(f"return_lse needs the split path, which declines this call: {plan}")
     if kv_last_page_len is not None:
-        from .paged import flat_pool, token_indices
-
         page_size = k_buffer.shape[1]
         tok_indptr, tok_indices = token_indices(kv_indptr, kv_indices, kv_last_page_len, page_size)
         args = args[:4] + (flat_pool(k_buffer), flat_pool(v_buffer), qo_indptr, tok_indptr, tok_indices) + args[9:]

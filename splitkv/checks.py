@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from .paged import paged_prefix_lens
+
 __all__ = ["Dims", "check_verify_inputs", "check_verify_values", "check_features", "interpreting", "ACT_DTYPES",
            "KV_DTYPES"]
 
@@ -292,7 +294,7 @@ def check_verify_values(
         if b >= 0:
             raise ValueError(f"sequence {b}: kv_last_page_len = {int(last[b])} is outside "
                              f"[{int(lo[b])}, {int(hi[b])}] for its {int(n_prefix[b])} pages")
-        n_prefix = torch.clamp(n_prefix - 1, min=0) * page_size + last
+        n_prefix = paged_prefix_lens(kv, last, page_size)
     if custom_mask is not None:
         mp = mask_indptr.to(torch.int64)
         end = mp[:-1] + n_draft * (n_prefix + n_draft)

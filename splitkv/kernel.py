@@ -573,7 +573,7 @@ def tile_config(head_dim: int, v_head_dim: int, rows: int, interpret: bool = Fal
     The table :data:`splitkv.tuning.TUNED` (``python -m splitkv.tune``) holds
     the fastest ``(BLOCK_N, warps, stages)`` measured per (head dim, rows per
     tile, pool element size); a configuration it does not list takes the
-    nearest measured one by head dim and rows. The K layout follows
+    nearest measured one by head dim and rows; the K layout follows
     :func:`splitkv.tuning.k_rows`.
 
     Args:
@@ -586,10 +586,9 @@ def tile_config(head_dim: int, v_head_dim: int, rows: int, interpret: bool = Fal
     Returns:
         The :class:`TileConfig`.
     """
-    from .tuning import k_rows, tuned_tile
+    from .tuning import tuned_tile
 
     block_m = block_m_for(rows)
     if interpret:
         return TileConfig(block_m, 16, 4, 1)
-    block_n, warps, stages = tuned_tile(max(head_dim, v_head_dim), block_m, kv_bytes)
-    return TileConfig(block_m, block_n, warps, stages, k_rows(max(head_dim, v_head_dim), block_m, kv_bytes))
+    return TileConfig(block_m, *tuned_tile(max(head_dim, v_head_dim), block_m, kv_bytes))

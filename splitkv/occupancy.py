@@ -256,14 +256,14 @@ def gpu_launch(num_q_heads: int, num_kv_heads: int, head_dim: int, batch: int, p
     """
     from .kernel import TileConfig, tile_config
     from .splits import choose_n_splits, one_wave_n_splits
-    from .tuning import TUNED, k_rows, programs_per_sm, small_batch_tile
+    from .tuning import TUNED, programs_per_sm, small_batch_tile
 
     cfg = tile_config(head_dim, head_dim, rows=num_q_heads // num_kv_heads * max_len_extend, kv_bytes=kv_bytes)
     tiles = head_tiles(num_q_heads, num_kv_heads, max_len_extend, cfg.block_m)
     pps = programs_per_sm(head_dim, cfg.block_m, kv_bytes)
     small = small_batch_tile(head_dim, cfg.block_m, kv_bytes, batch * tiles, num_sms)
     if small is not None:
-        cfg, pps = TileConfig(cfg.block_m, *small, k_rows(head_dim, cfg.block_m, kv_bytes)), 1
+        cfg, pps = TileConfig(cfg.block_m, *small), 1
         n = one_wave_n_splits(batch * tiles, prefix, num_sms, min_split_tokens=TUNED["min_split_tokens"])
     else:
         n = choose_n_splits(batch, tiles, prefix, num_sms, programs_per_sm=pps,

@@ -45,7 +45,7 @@ from typing import Tuple
 
 import torch
 
-__all__ = ["token_indices", "flat_pool", "pages_from_block_table"]
+__all__ = ["paged_prefix_lens", "token_indices", "flat_pool", "pages_from_block_table"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _INT32_MAX = torch.iinfo(torch.int32).max
@@ -60,6 +60,16 @@ def _check_index(name: str, t: torch.Tensor, dim: int = 1) -> None:
 def _check_page_size(page_size: int) -> None:
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+
+
+def paged_prefix_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Keys per sequence of a paged prefix: ``(pages - 1) * page_size + kv_last_page_len`` (0 without pages).
+
+    Int64, on ``kv_indptr``'s device; no validation (see :func:`token_indices`).
+    """
+    n_pages = kv_indptr[1:].to(torch.int64) - kv_indptr[:-1].to(torch.int64)
+    last = kv_last_page_len.to(device=kv_indptr.device, dtype=torch.int64)
+    return torch.where(n_pages > 0, (n_pages - 1) * page_size + last, torch.zeros_like(last))
 
 
 def token_indices(
@@ -124,7 +134,7 @@ def token_indices(
             f"[1, {page_size}] for a sequence with pages, 0 for one without"
         )
 
-    seq_lens = torch.where(has_pages, (n_pages - 1) * page_size + last, torch.zeros_like(last))
+    seq_lens = paged_prefix_lens(indptr, last, page_size)
     tok_indptr = torch.zeros(bs + 1, dtype=torch.int64, device=device)
     torch.cumsum(seq_lens, 0, out=tok_indptr[1:])
     total = int(tok_indptr[-1])

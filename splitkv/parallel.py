@@ -38,22 +38,22 @@ Sharding. How the prefix is cut is the caller's (the engine's) choice, as long
 as every key is on exactly one rank; :func:`shard_prefix` implements the two
 usual layouts, by contiguous chunks and by round-robin blocks (its docstring
 draws them), and :func:`shard_mask` re-lays a tree mask for a rank's local
-prefix length.
+prefix length. A rank holding no key of a sequence (an *empty shard*: a short
+sequence, or a round-robin block not yet reached) computes the empty state
+``s_r = -inf``, which weighs 0 in the merge.
 
 Paged pools. With ``k_buffer``/``v_buffer`` of shape ``[pages, page_size,
 H_KV, D]`` the entries of ``kv_indices`` are page ids (:mod:`splitkv.paged`),
 and a rank holds whole pages: :func:`shard_prefix` deals them out like
 tokens (``block`` then counts pages), :func:`shard_last_page_len` gives the
 rank's ``kv_last_page_len`` (the sequence's own on the rank holding its last
-page, a full page elsewhere), and :func:`shard_mask` takes ``page_size`` and
-``kv_last_page_len`` to lay a tree mask out in keys.
+page, a full page elsewhere, 0 where it holds none), and :func:`shard_mask`
+takes ``page_size`` and ``kv_last_page_len`` to lay a tree mask out in keys.
 
 Score features. The logit cap changes each score alone, so it is served as on
 one GPU. The sliding window and the xai temperature depend on each key's and
 query's absolute position, which a shard's kernel does not see (it counts
-positions within the shard): the context-parallel entries do not take them. A rank holding no key of a sequence (an *empty shard*: a short
-sequence, or a round-robin block not yet reached) computes the empty state
-``s_r = -inf``, which weighs 0 in the merge.
+positions within the shard): the context-parallel entries do not take them.
 
 Entry points:
 
@@ -83,6 +83,7 @@ from .api import _checking
 from .checks import check_verify_inputs, check_verify_values
 from .gate import decline_reason
 from .merge import merge_states
+from .paged import paged_prefix_lens, token_indices
 from .runner import VerifyPlan, VerifySplitKV
 
 try:
@@ -237,13 +238,6 @@ def shard_prefix(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, world_size: 
     return PrefixShard(indptr, local, positions, counts)
 
 
-def _entry_sequences(shard: PrefixShard) -> torch.Tensor:
-    """The sequence of every local entry of ``shard`` (``[n_local]`` int64)."""
-    ptr = shard.kv_indptr.to(dtype=torch.int64, device=shard.positions.device)
-    j = torch.arange(int(ptr[-1]), device=ptr.device, dtype=torch.int64)
-    return torch.searchsorted(ptr, j, right=True) - 1
-
-
 def shard_last_page_len(shard: PrefixShard, kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor,
                         page_size: int) -> torch.Tensor:
     """A rank's ``kv_last_page_len`` for its shard of a paged prefix.
@@ -272,13 +266,13 @@ def shard_last_page_len(shard: PrefixShard, kv_indptr: torch.Tensor, kv_last_pag
     device = kv_last_page_len.device
     kvp = kv_indptr.to(device=device, dtype=torch.int64)
     n_pages = kvp[1:] - kvp[:-1]
-    seq = _entry_sequences(shard).to(device)
+    ptr = shard.kv_indptr.to(device=device, dtype=torch.int64)
+    held = ptr[1:] > ptr[:-1]
     positions = shard.positions.to(device)
-    holds_last = torch.zeros(n_pages.shape[0], dtype=torch.bool, device=device)
-    if seq.numel():
-        holds_last[seq[positions == n_pages[seq] - 1]] = True
+    # Entries are in prefix order: the rank holds the last page iff its own last entry is it.
+    last_entry = positions[(ptr[1:] - 1).clamp_min(0)] if positions.numel() else torch.zeros_like(n_pages)
+    holds_last = held & (last_entry == n_pages - 1)
     full = torch.full_like(kv_last_page_len, page_size)
-    held = shard.prefix_lens.to(device) > 0
     return torch.where(held, torch.where(holds_last, kv_last_page_len, full), 0).to(torch.int32)
 
 
@@ -286,28 +280,17 @@ def _key_shard(shard: PrefixShard, kv_indptr: torch.Tensor, page_size: int,
                kv_last_page_len: torch.Tensor) -> Tuple[PrefixShard, torch.Tensor]:
     """A paged shard seen key by key: ``(shard of keys, global keys per sequence)``.
 
-    Local page ``q`` of sequence ``b`` holds keys ``q * page_size + [0, rows)``
-    (``rows`` = ``page_size``, or the last-page length on the last page).
-    Only the key positions and counts are filled in (what :func:`shard_mask` reads).
+    Local page ``q`` of sequence ``b`` holds keys ``q * page_size + [0, rows)``.
+    That is :func:`splitkv.paged.token_indices` with page *positions* in
+    place of page ids: the "slots" it returns are the keys' positions. Only
+    the positions and counts are filled in (what :func:`shard_mask` reads).
     """
     device = shard.positions.device
-    i64 = torch.int64
-    kvp = kv_indptr.to(device=device, dtype=i64)
-    n_pages = kvp[1:] - kvp[:-1]
-    last = kv_last_page_len.to(device=device, dtype=i64)
-    n_keys = torch.where(n_pages > 0, (n_pages - 1) * page_size + last, 0)
-    seq = _entry_sequences(shard)
-    page_pos = shard.positions.to(device)
-    rows = torch.where(page_pos == n_pages[seq] - 1, last[seq], page_size) if seq.numel() else page_pos
-    key_pos = torch.repeat_interleave(page_pos * page_size, rows)
-    key_pos = key_pos + (torch.arange(key_pos.numel(), device=device, dtype=i64)
-                         - torch.repeat_interleave(torch.cumsum(rows, 0) - rows, rows))
-    counts = torch.zeros(n_pages.shape[0], dtype=i64, device=device)
-    if seq.numel():
-        counts.index_add_(0, seq, rows)
-    indptr = torch.zeros(n_pages.shape[0] + 1, dtype=torch.int32, device=device)
-    indptr[1:] = torch.cumsum(counts, 0)
-    return PrefixShard(indptr, shard.kv_indices, key_pos, counts), n_keys
+    local_last = shard_last_page_len(shard, kv_indptr, kv_last_page_len.to(device), page_size)
+    key_ptr, key_pos = token_indices(shard.kv_indptr.to(device), shard.positions, local_last, page_size)
+    key_ptr = key_ptr.to(torch.int64)
+    shard_of_keys = PrefixShard(key_ptr, shard.kv_indices, key_pos.to(torch.int64), key_ptr[1:] - key_ptr[:-1])
+    return shard_of_keys, paged_prefix_lens(kv_indptr.to(device), kv_last_page_len.to(device), page_size)
 
 
 def shard_mask(custom_mask: torch.Tensor, mask_indptr: torch.Tensor, qo_indptr: torch.Tensor,

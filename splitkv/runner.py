@@ -43,7 +43,7 @@ from .kernel import LOG2E, TileConfig, _merge_kernel, _verify_kernel, block_m_fo
 from .launch import Launcher, _specialization, alignment_bits
 from .occupancy import head_tiles as count_head_tiles
 from .splits import MAX_GRID_SPLITS, MAX_SPLITS, choose_n_splits, device_sm_count, fixed_n_splits, one_wave_n_splits
-from .tuning import k_rows, min_split_tokens, programs_per_sm, small_batch_tile
+from .tuning import min_split_tokens, programs_per_sm, small_batch_tile
 
 __all__ = ["VerifySplitKV", "VerifyPlan", "workspace_bytes", "counters"]
 
@@ -281,8 +281,7 @@ class VerifySplitKV:
             return self._config
         small = self._small_batch(batch_size, kv_dtype)
         if small is not None:
-            return TileConfig(self.block_m, *small, k_rows(max(self.head_dim, self.v_head_dim), self.block_m,
-                                                           _element_size(kv_dtype)))
+            return TileConfig(self.block_m, *small)
         return tile_config(self.head_dim, self.v_head_dim, rows_per_tile(self.heads_per_tile, self.max_len_extend),
                            interpreting(), kv_bytes=_element_size(kv_dtype))
 

@@ -60,18 +60,19 @@ def _nearest(head_dim: int, block_m: int, kv_bytes: int) -> Dict:
     return tiles[key]
 
 
-def tuned_tile(head_dim: int, block_m: int, kv_bytes: int) -> Tuple[int, int, int]:
-    """``(block_n, num_warps, num_stages)`` for the widest head dim, BLOCK_M and pool element size.
+def tuned_tile(head_dim: int, block_m: int, kv_bytes: int) -> Tuple[int, int, int, bool]:
+    """``(block_n, num_warps, num_stages, k_rows)`` for the widest head dim, BLOCK_M and pool element size.
 
     float32 pools (4 bytes, tests and references rather than serving) are not
     swept: they take the 16-bit entry with half the keys per step and at most
     two stages, which keeps the pipelined K/V tiles inside shared memory.
+    ``k_rows`` follows :func:`k_rows`.
     """
     if kv_bytes > 2:
-        block_n, warps, stages = tuned_tile(head_dim, block_m, 2)
-        return max(16, block_n // 2), warps, min(stages, 2)
+        block_n, warps, stages, _ = tuned_tile(head_dim, block_m, 2)
+        return max(16, block_n // 2), warps, min(stages, 2), k_rows(head_dim, block_m, kv_bytes)
     row = _nearest(head_dim, block_m, kv_bytes)
-    return row["block_n"], row["num_warps"], row["num_stages"]
+    return row["block_n"], row["num_warps"], row["num_stages"], k_rows(head_dim, block_m, kv_bytes)
 
 
 #: Where K tiles are loaded as rows and transposed on chip
@@ -115,13 +116,16 @@ SMALL_BATCH_SMS_PER_TILE = 8
 
 
 def small_batch_tile(head_dim: int, block_m: int, kv_bytes: int, tiles: int, num_sms: int):
-    """``(block_n, num_warps, num_stages)`` for a small launch, or ``None``.
+    """``(block_n, num_warps, num_stages, k_rows)`` for a small launch, or ``None``.
 
-    ``None`` when the launch is not small (``tiles * SMALL_BATCH_SMS_PER_TILE >
-    num_sms``) or the sweep found no tile faster than the throughput tile for
-    this (head dim, BLOCK_M, pool element size): then the usual schedule runs.
+    ``k_rows`` follows :func:`k_rows`. ``None`` when the launch is not small
+    (``tiles * SMALL_BATCH_SMS_PER_TILE > num_sms``) or the sweep found no
+    tile faster than the throughput tile for this (head dim, BLOCK_M, pool
+    element size): then the usual schedule runs.
     """
     if tiles * SMALL_BATCH_SMS_PER_TILE > num_sms:
         return None
     row = TUNED["small_batch_tiles"].get((head_dim, block_m, kv_bytes))
-    return None if row is None else (row["block_n"], row["num_warps"], row["num_stages"])
+    if row is None:
+        return None
+    return row["block_n"], row["num_warps"], row["num_stages"], k_rows(head_dim, block_m, kv_bytes)

@@ -22,6 +22,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from ..merge import merge_states
+from ..paged import paged_prefix_lens
 from ..parallel import ContextParallelVerify, cp_verify_attention, dist, shard_last_page_len, shard_mask, shard_prefix
 from ..runner import VerifySplitKV
 from .problem import PagedProblem, make_problem, paged_problem
@@ -92,8 +93,7 @@ def shard_paged_problem(paged: PagedProblem, world_size: int, rank: int, mode: s
     p = paged.problem
     shard = shard_prefix(paged.kv_indptr, paged.kv_indices, world_size, rank, mode, block)
     last = shard_last_page_len(shard, paged.kv_indptr, paged.kv_last_page_len, paged.page_size)
-    pages = shard.prefix_lens.tolist()
-    keys = [0 if n == 0 else (n - 1) * paged.page_size + int(x) for n, x in zip(pages, last.tolist())]
+    keys = paged_prefix_lens(shard.kv_indptr, last, paged.page_size).tolist()
     custom_mask, mask_indptr = p.custom_mask, p.mask_indptr
     if custom_mask is not None:
         custom_mask, mask_indptr = shard_mask(custom_mask, mask_indptr, p.qo_indptr, paged.kv_indptr, shard,
