@@ -551,3 +551,35 @@ def test_gpu_graph_capture_and_replay(nccl, entry):
     msg = f"rank {rank} ({entry}): replay errors {errors}"
     print(msg)
     _agree(all(isinstance(e, float) for e in errors), msg)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("page_size,mode,block", [(16, "chunk", None), (64, "round_robin", 32)])
+def test_gpu_paged_pool_with_logit_cap(nccl, page_size, mode, block):
+    """Paged local pools (whole pages per rank) and a logit cap across two GPUs, bf16, long prefixes."""
+    rank, world = nccl
+    p = make_problem([131072, 54321, 97], 5, 16, 2, 256, dtype=torch.bfloat16, device="cuda", mask="tree",
+                     sinks=True, pool_factor=1.0, seed=40)
+    pp = paged_problem(p, page_size, seed=41)
+    local = shard_paged_problem(pp, world, rank, mode, block)
+    lp = local.problem
+    cap = 30.0
+    cp = ContextParallelVerify(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
+                               p.batch_size, "cuda")
+    plan = cp.plan(lp.q_extend, lp.k_extend, lp.v_extend, local.k_pages, local.v_pages, lp.qo_indptr,
+                   local.kv_indptr, local.kv_indices, lp.custom_mask, lp.mask_indptr, lp.is_causal,
+                   sm_scale=lp.sm_scale, sinks=lp.sinks, logit_cap=cap, kv_last_page_len=local.kv_last_page_len,
+                   return_lse=True, check=True)
+    out, lse = plan.run(lp.q_extend, lp.k_extend, lp.v_extend, local.k_pages, local.v_pages,
+                        out=torch.full_like(lp.new_output(), float("nan")))
+    torch.cuda.synchronize()
+    ref_o, ref_s = reference_for(p, return_lse=True, logit_cap=cap)
+    try:
+        err = assert_close(out, ref_o, torch.bfloat16, f"rank {rank}")
+        lse_err = (lse.double() - ref_s).abs().max().item()
+        ok, msg = lse_err < LSE_TOL[torch.bfloat16], f"rank {rank}: relative error {err:.2e}, LSE error {lse_err:.2e}"
+    except AssertionError as failure:
+        ok, msg = False, str(failure)
+    print(msg)
+    _agree(ok, msg)
