@@ -129,6 +129,23 @@ def test_batch_invariant_with_features():
     assert_matches_reference(outs[0], alone, **features)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cap,q_gain", [(0.5, 30.0), (50.0, 250.0), (50.0, 1.0)])
+def test_logit_cap_saturates_and_stays_exact(cap, q_gain, dtype):
+    """Scores far past the cap (|s| >> cap, where 2^(2 s log2e / cap) over- or underflows)
+    come out as +-cap, finite; scores well inside a large cap stay nearly linear. No sinks:
+    a sink outweighing every capped score by e^50 would leave rows below float16's range."""
+    p = _problem(dtype, seed=11, sinks=False)
+    p.q_extend.mul_(q_gain)
+    scores = torch.einsum("thd,tgd->thg", p.q_extend[:4].double(), p.k_extend[:4].double()) * p.sm_scale
+    if q_gain > 1:
+        assert scores.abs().max() > 5 * cap  # the test reaches saturation (tanh(5) = 0.99991)
+    out = torch.full_like(p.new_output(), float("nan"))
+    assert verify_splitkv_fwd(*p.args(out), **p.kwargs(), logit_cap=cap, check=True)
+    assert torch.isfinite(out).all()
+    assert_matches_reference(out, p, logit_cap=cap)
+
+
 @pytest.mark.parametrize("features", [dict(logit_cap=3.0), dict(sliding_window_size=50)])
 def test_return_lse_with_features(features):
     p = _problem(torch.float32)
