@@ -444,6 +444,18 @@ def _agree(ok: bool, msg: str) -> None:
     assert int(flag) == 0, "another rank failed (see its output)"
 
 
+def _merged_matches(out, lse, problem, rank, **features):
+    """``(ok, message)``: a rank's merged bf16 output and LSE against the float64 oracle of the
+    whole (unsharded) problem; a failure is returned, not raised, for :func:`_agree`."""
+    ref_o, ref_s = reference_for(problem, return_lse=True, **features)
+    try:
+        err = assert_close(out, ref_o, torch.bfloat16, f"rank {rank}")
+    except AssertionError as failure:
+        return False, str(failure)
+    lse_err = (lse.double() - ref_s).abs().max().item()
+    return lse_err < LSE_TOL[torch.bfloat16], f"rank {rank}: relative error {err:.2e}, LSE error {lse_err:.2e}"
+
+
 GPU_CASES = {
     "qwen3-next 256k chunk tree sinks": dict(shape=(16, 2, 256), prefix_lens=[262144], extend_lens=6, mask="tree",
                                              sinks=True, mode="chunk"),
@@ -482,17 +494,8 @@ def test_gpu_bf16_parity_long_prefixes(nccl, name):
     res = plan.run(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer, out=lp.new_output())
     torch.cuda.synchronize()
     del lp
-    ok, msg = True, ""
     if plan.merges:
-        out, lse = res
-        ref_o, ref_s = reference_for(p, return_lse=True)
-        try:
-            err = assert_close(out, ref_o, torch.bfloat16, f"rank {rank}")
-            lse_err = (lse.double() - ref_s).abs().max().item()
-            ok = lse_err < LSE_TOL[torch.bfloat16]
-            msg = f"rank {rank}: relative error {err:.2e}, LSE error {lse_err:.2e}"
-        except AssertionError as failure:
-            ok, msg = False, str(failure)
+        ok, msg = _merged_matches(*res, p, rank)
         print(msg)
     else:
         ok, msg = res is None, f"rank {rank} does not merge but returned {type(res)}"
@@ -574,12 +577,6 @@ def test_gpu_paged_pool_with_logit_cap(nccl, page_size, mode, block):
     out, lse = plan.run(lp.q_extend, lp.k_extend, lp.v_extend, local.k_pages, local.v_pages,
                         out=torch.full_like(lp.new_output(), float("nan")))
     torch.cuda.synchronize()
-    ref_o, ref_s = reference_for(p, return_lse=True, logit_cap=cap)
-    try:
-        err = assert_close(out, ref_o, torch.bfloat16, f"rank {rank}")
-        lse_err = (lse.double() - ref_s).abs().max().item()
-        ok, msg = lse_err < LSE_TOL[torch.bfloat16], f"rank {rank}: relative error {err:.2e}, LSE error {lse_err:.2e}"
-    except AssertionError as failure:
-        ok, msg = False, str(failure)
+    ok, msg = _merged_matches(out, lse, p, rank, logit_cap=cap)
     print(msg)
     _agree(ok, msg)
