@@ -58,8 +58,13 @@ _MIN_COUNTERS = 4096
 #: Llama-3-8B (31 slices x 16 rows x 128 = 63k floats) 21.2 us in one launch
 #: vs 24.3 spread; Qwen3-32B (127k) 26.0 vs 25.7; Qwen3-Next (254k) 43.3 vs 29.7.
 FUSED_MAX_MERGE = 65536
-#: The spread merge's program shape: tile rows x value columns.
-MERGE_ROWS, MERGE_DV = 8, 32
+#: The spread merge's program shape: tile rows x value columns. Measured on the
+#: H200 (Qwen3-Next, CUDA-graph replays of the whole call, 2026-11-30): 4 x 32
+#: took 25.8 / 43.1 / 42.8 us at batch 1 / 4k, batch 1 / 16k and batch 8 / 4k,
+#: where 8 x 32 took 28.2 / 50.0 / 45.4 (2 x 64 and 4 x 16 within 0.3 us of 4 x 32
+#: at batch 1; 16 x 16 slower still). Loading more slices per step
+#: (``MERGE_UNROLL`` 16-64 instead of 4) was no faster.
+MERGE_ROWS, MERGE_DV = 4, 32
 
 
 def _stream_key(device: torch.device) -> Tuple[int, int]:

@@ -176,15 +176,15 @@ def test_merge_programs_worked_example():
     # 102 x 16 x 40 = 65280 fits, 103 x 16 x 40 = 65920 does not.
     assert fused_merge(102, 16, 40) and not fused_merge(103, 16, 40)
     assert not fused_merge(2, 16, 40, one_launch=False)
-    # 103 slices: a spread merge of 8-row x 32-column blocks. Sequence 0: 100 keys ->
+    # 103 slices: a spread merge of 4-row x 32-column blocks. Sequence 0: 100 keys ->
     # split_len max(roundup(1, 16), 32) = 32 -> 4 slices; its tile has 3 live rows (1 head x 3
     # drafts) in row chunk 0; Dv 40 -> column chunks of 32 and 8. Sequence 1: 10 keys -> one
     # slice, finished by the verify kernel: its merge programs exit.
     progs = merge_programs([100, 10], [3, 2], 1, 1, 103, block_m=16, block_n=16, v_head_dim=40, min_split=32)
-    assert len(progs) == 2 * 2 * 2  # tiles x row chunks x column chunks
+    assert len(progs) == 2 * 4 * 2  # tiles x row chunks x column chunks
     live = [(m.seq, m.row_chunk, m.col_chunk, m.rows, m.columns, m.slices) for m in progs if m.rows]
     assert live == [(0, 0, 0, 3, 32, 4), (0, 0, 1, 3, 8, 4)]
-    assert [m.index for m in progs] == list(range(8)) and progs[1].seq == 1  # the tile varies fastest
+    assert [m.index for m in progs] == list(range(16)) and progs[1].seq == 1  # the tile varies fastest
     verify = verify_programs([100, 10], [3, 2], 1, 1, 103, block_m=16, block_n=16, min_split=32)
     assert scratch_bytes(verify, 40, 16, progs) == (4 * 16 * 41 * 4, 3 * 4 * (33 + 9) * 4)
     assert merge_programs([100, 10], [3, 2], 1, 1, 9, block_m=16, block_n=16, v_head_dim=40) == []
