@@ -56,7 +56,8 @@ _MIN_COUNTERS = 4096
 #: of every slice (256 KB here) costs more than spreading the merge over a
 #: second, PDL-overlapped launch. Measured on the H200 at batch 1, 4k-64k:
 #: Llama-3-8B (31 slices x 16 rows x 128 = 63k floats) 21.2 us in one launch
-#: vs 24.3 spread; Qwen3-32B (127k) 26.0 vs 25.7; Qwen3-Next (254k) 43.3 vs 29.7.
+#: vs 24.3 spread; Qwen3-32B (127k) 26.0 vs 25.7; Qwen3-Next (254k) 43.3 vs 29.7
+#: (spread with merge programs of 8 rows, before the 4-row ones below).
 FUSED_MAX_MERGE = 65536
 #: The spread merge's program shape: tile rows x value columns. Measured on the
 #: H200 (Qwen3-Next, CUDA-graph replays of the whole call, 2026-11-30): 4 x 32
