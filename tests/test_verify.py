@@ -538,6 +538,34 @@ def test_repeated_calls_bitwise_identical():
     assert all_counters_zero()
 
 
+def test_merge_path_and_shape_invariant_bits(monkeypatch):
+    """The in-kernel merge and the spread merge, in any program shape, give the same bits.
+
+    Both read the slices in the same order with the same per-element operations, so
+    the one-launch / two-launch choice (which follows the batch) and the spread
+    merge's block shape (``runner.MERGE_ROWS x MERGE_DV``) never change a result.
+    """
+    import splitkv.runner as runner_module
+
+    p = make_problem(SLICED, SLICED_EXT, 4, 1, 32, mask="tree", sinks=True, device=DEVICE, seed=53)
+    shape = (4, 1, 32, 32, p.max_len_extend, p.batch_size)
+
+    def run(one_launch, merge_shape=None):
+        if merge_shape is not None:
+            monkeypatch.setattr(runner_module, "MERGE_ROWS", merge_shape[0])
+            monkeypatch.setattr(runner_module, "MERGE_DV", merge_shape[1])
+        plan = plan_of(VerifySplitKV(*shape, DEVICE, n_splits=5, one_launch=one_launch), p, return_lse=True)
+        assert plan.fused == one_launch and max(slices_used(plan, p)) >= 2
+        return plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+
+    fused_o, fused_lse = run(True)
+    assert_matches_reference(fused_o, p)
+    for merge_shape in (None, (8, 32), (2, 16), (16, 8)):
+        o, lse = run(False, merge_shape)
+        assert torch.equal(o, fused_o) and torch.equal(lse, fused_lse), merge_shape
+    assert all_counters_zero()
+
+
 @pytest.mark.parametrize("n_splits", [None, 3])
 def test_caller_workspace_same_bits_as_default(n_splits):
     """splitkv.workspace_bytes + torch.zeros gives the bits of the per-call scratch."""
