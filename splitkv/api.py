@@ -11,8 +11,9 @@
 The host path. An eager call costs what Python does before the launch, so the
 drop-in keeps a cache of plans (:class:`splitkv.runner.VerifyPlan`) keyed by
 the call's *signature*: every tensor's shape, strides, dtype and device except
-``kv_indices``'s length (which changes every step as prefixes grow), and every
-scalar. A signature seen before was already checked by the gate and planned;
+``kv_indices``'s length (which changes every step as prefixes grow; only
+whether the mean prefix exceeds :data:`splitkv.tuning.SMALL_BATCH_MAX_PREFIX`
+counts, since it picks the plan's tile), and every scalar. A signature seen before was already checked by the gate and planned;
 the call only rebinds the step's metadata tensors and launches the compiled
 kernel directly (:mod:`splitkv.launch`). A new signature goes through the gate
 (:func:`splitkv.decline_reason`) and is planned once.
@@ -37,6 +38,7 @@ from .extend import extend_attention_fwd
 from .gate import decline_reason
 from .paged import flat_pool, token_indices
 from .runner import VerifyPlan, VerifySplitKV
+from .tuning import SMALL_BATCH_MAX_PREFIX
 
 __all__ = ["verify_splitkv_fwd", "verify_attention", "get_runner", "clear_caches"]
 
@@ -95,6 +97,9 @@ def _small(t):
 def _signature(q, k, v, o, kb, vb, qo, kvp, kvi, cm, mi, sinks, last, offsets, scalars):
     """Everything the gate and the plan depend on, except kv_indices' length and tensor values.
 
+    Of the length, only whether the mean prefix passes ``SMALL_BATCH_MAX_PREFIX`` keys
+    (it fixes the plan's tile: :meth:`VerifySplitKV.config`).
+
     Written out flat: it runs on every eager call.
     """
     return (
@@ -106,6 +111,7 @@ def _signature(q, k, v, o, kb, vb, qo, kvp, kvi, cm, mi, sinks, last, offsets, s
         vb.shape, vb.stride(), vb.dtype, vb.get_device(),
         qo.shape, qo.dtype, qo.get_device(), kvp.shape, kvp.dtype, kvp.get_device(),
         kvi.dim(), kvi.dtype, kvi.get_device(),
+        kvi.shape[0] * (kb.shape[1] if kb.dim() == 4 else 1) > SMALL_BATCH_MAX_PREFIX * (qo.shape[0] - 1),
         None if cm is None else (_small(cm), _small(mi)),
         None if sinks is None else _small(sinks),
         None if last is None else _small(last),

@@ -31,8 +31,11 @@ Implementations:
   boolean mask, on the same dense copy.
 
 fp8 rows run ``splitkv``, ``splitkv_invariant`` and ``extend`` (the others
-have no fp8 pool). ``host_us`` is the mean wall time of one eager call over
-1000 back-to-back calls (synchronised before and after the loop only).
+have no fp8 pool). ``host_us`` is the wall time of one eager call: the
+median, over 10 batches of 100 back-to-back calls (synchronised before and
+after each batch only), of the batch's mean. One mean over 1000 calls varied
+up to 2x between runs on the H200's host; the median of batches shrugs off a
+batch that the host interrupted.
 
 Results go to ``figures/benchmark_<gpu>.json`` (device, versions, date, every
 row; written after every row) and ``.md``, and plots into ``figures/`` (see
@@ -47,6 +50,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -287,11 +291,17 @@ class Timer:
         warmup_ms: ``do_bench`` warm-up time per timing.
         rep_ms: ``do_bench`` measuring time per timing (caps the GPU time a
             timing costs: about ``warmup_ms + rep_ms`` plus 6 calls).
-        host_calls: back-to-back eager calls per host-time measurement.
+        host_calls: eager calls per host-time measurement, in ``host_batches``
+            batches of back-to-back calls.
+        host_batches: batches the host time is the median of.
     """
 
-    def __init__(self, warmup_ms: float = 5.0, rep_ms: float = 25.0, host_calls: int = 1000):
-        self.warmup_ms, self.rep_ms, self.host_calls = warmup_ms, rep_ms, host_calls
+    def __init__(self, warmup_ms: float = 5.0, rep_ms: float = 25.0, host_calls: int = 1000,
+                 host_batches: int = 10):
+        if host_batches < 1 or host_calls < host_batches:
+            raise ValueError(f"need host_calls >= host_batches >= 1, got {host_calls} and {host_batches}")
+        self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
+        self.host_calls, self.host_batches = host_calls, host_batches
 
     def _bench(self, fn) -> float:
         import triton.testing
@@ -316,18 +326,24 @@ class Timer:
             del graph
 
     def host(self, fn: Callable) -> float:
-        """Mean µs per call of ``host_calls`` eager calls, synchronised only before and after.
+        """µs per eager call: the median over ``host_batches`` batches of each batch's mean.
 
-        Where the GPU keeps up this is the host's time per call (Python,
-        validation, launches); where it does not, it is the GPU's.
+        A batch is ``host_calls // host_batches`` calls back to back,
+        synchronised before and after only. Where the GPU keeps up this is the
+        host's time per call (Python, validation, launches); where it does
+        not, it is the GPU's.
         """
+        calls = self.host_calls // self.host_batches
         fn()
         _sync()
-        start = time.perf_counter()
-        for _ in range(self.host_calls):
-            fn()
-        _sync()
-        return (time.perf_counter() - start) / self.host_calls * 1e6
+        means = []
+        for _ in range(self.host_batches):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            _sync()
+            means.append((time.perf_counter() - start) / calls * 1e6)
+        return statistics.median(means)
 
 
 def _err(err: BaseException) -> str:
@@ -507,6 +523,7 @@ def run_benchmark(models=tuple(MODEL_SHAPES), batches=BENCH_BATCHES, prefixes=BE
         invariant_split_tokens=INVARIANT_SPLIT_TOKENS,
         implementations={n: IMPL_HELP[n] for n in impls},
         timing=dict(warmup_ms=timer.warmup_ms, rep_ms=timer.rep_ms, host_calls=timer.host_calls,
+                    host_batches=timer.host_batches,
                     host_max_graph_us=HOST_MAX_GRAPH_US, eager_impls=list(EAGER_IMPLS)),
         elapsed_s=0.0,
         rows=rows,
@@ -603,6 +620,15 @@ def _time_cell(r: dict, name: str, key: str = "graph") -> str:
     if rec.get(key):
         return _us(rec[key])
     return "fail" if _failed(rec, key) else "–"
+
+
+def _host_method(timing: dict) -> str:
+    """How ``host_us`` was measured, from the result's ``timing`` (older results: one batch)."""
+    calls, batches = timing.get("host_calls", 1000), timing.get("host_batches", 1)
+    if batches == 1:
+        return f"mean over {calls} back-to-back calls, synchronised before and after only"
+    return (f"median over {batches} batches of the mean of {calls // batches} back-to-back calls "
+            "(synchronised before and after each batch only)")
 
 
 def _host_cell(r: dict, name: str) -> str:
@@ -704,9 +730,8 @@ def _footer(result: dict) -> List[str]:
         "floor = prefix K+V bytes / measured read bandwidth; gather floor = best time of a bare kernel that "
         "only gathers and sums the same K/V rows through the same kv_indices (splitkv.floor), over a grid "
         "of launch settings; invariant = splitkv with split_tokens="
-        f"{result.get('invariant_split_tokens', INVARIANT_SPLIT_TOKENS)} (batch-invariant); host = mean wall "
-        f"time per eager call over {t.get('host_calls', 1000)} back-to-back calls, synchronised before and "
-        "after only (host-bound where it exceeds the graph time; measured for peers only where their graph "
+        f"{result.get('invariant_split_tokens', INVARIANT_SPLIT_TOKENS)} (batch-invariant); host = wall time "
+        "per eager call, " + _host_method(t) + " (host-bound where it exceeds the graph time; measured for peers only where their graph "
         f"time is at most {t.get('host_max_graph_us', HOST_MAX_GRAPH_US):.0f} µs); fail = the implementation "
         "raised, skip = not run at this shape.",
     ]
@@ -795,7 +820,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--rep-ms", type=float, default=25.0, metavar="MS",
                     help="do_bench measuring time per timing, milliseconds (default: 25)")
     ap.add_argument("--host-calls", type=int, default=1000, metavar="N",
-                    help="back-to-back eager calls per host-time measurement (default: 1000)")
+                    help="eager calls per host-time measurement, in 10 batches (default: 1000)")
     ap.add_argument("--no-gather-floor", action="store_true", help="skip the gather-floor search")
     return ap
 

@@ -261,7 +261,7 @@ def gpu_launch(num_q_heads: int, num_kv_heads: int, head_dim: int, batch: int, p
     cfg = tile_config(head_dim, head_dim, rows=num_q_heads // num_kv_heads * max_len_extend, kv_bytes=kv_bytes)
     tiles = head_tiles(num_q_heads, num_kv_heads, max_len_extend, cfg.block_m)
     pps = programs_per_sm(head_dim, cfg.block_m, kv_bytes)
-    small = small_batch_tile(head_dim, cfg.block_m, kv_bytes, batch * tiles, num_sms)
+    small = small_batch_tile(head_dim, cfg.block_m, kv_bytes, batch * tiles, num_sms, prefix)
     if small is not None:
         cfg, pps = TileConfig(cfg.block_m, *small), 1
         n = one_wave_n_splits(batch * tiles, prefix, num_sms, min_split_tokens=TUNED["min_split_tokens"])
@@ -339,15 +339,16 @@ def verify_programs(
 def fused_merge(n_splits: int, block_m: int, v_head_dim: int, one_launch: bool = True) -> bool:
     """True when a launch of ``n_splits`` grid slices merges in the verify kernel itself.
 
-    The runner's rule: one launch while a tile's last program has at most
+    The runner's rule: one launch while a tile has at most
+    ``splitkv.runner.FUSED_MAX_BLOCK_M`` rows and its last program at most
     ``splitkv.runner.FUSED_MAX_MERGE`` partial floats (``n_splits x BLOCK_M x
     Dv``) to read (unless built with ``one_launch=False``), else a second
     launch (:func:`merge_programs`) whose programs each merge a block of rows
     and columns.
     """
-    from .runner import FUSED_MAX_MERGE
+    from .runner import fused_merge_fits
 
-    return one_launch and n_splits * block_m * v_head_dim <= FUSED_MAX_MERGE
+    return one_launch and fused_merge_fits(n_splits, block_m, v_head_dim)
 
 
 @dataclass(frozen=True)

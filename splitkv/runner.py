@@ -56,9 +56,15 @@ _MIN_COUNTERS = 4096
 #: of every slice (256 KB here) costs more than spreading the merge over a
 #: second, PDL-overlapped launch. Measured on the H200 at batch 1, 4k-64k:
 #: Llama-3-8B (31 slices x 16 rows x 128 = 63k floats) 21.2 us in one launch
-#: vs 24.3 spread; Qwen3-32B (127k) 26.0 vs 25.7; Qwen3-Next (254k) 43.3 vs 29.7
-#: (spread with merge programs of 8 rows, before the 4-row ones below).
+#: vs 24.3 spread; Qwen3-Next (254k) 43.3 vs 29.7 (spread with merge programs
+#: of 8 rows, before the 4-row ones below).
 FUSED_MAX_MERGE = 65536
+#: Largest ``BLOCK_M`` merged in one launch. Measured on the H200 (CUDA-graph
+#: replays, 2026-12-01, batch 1-8, 1k-64k, 4-row merge programs): Llama-3-8B's
+#: 16-row tiles were 1-1.4 us faster in one launch at every point (4-16 slices);
+#: Qwen3-32B's 32-row tiles were 1-4 us faster spread from 8 slices on (batch 1 /
+#: 4k: 23.8 -> 20.9 us; batch 2 / 64k: 169.5 -> 159.9) and equal at 4 slices.
+FUSED_MAX_BLOCK_M = 16
 #: The spread merge's program shape: tile rows x value columns. Measured on the
 #: H200 (Qwen3-Next, CUDA-graph replays of the whole call, 2026-11-30): 4 x 32
 #: took 25.8 / 43.1 / 42.8 us at batch 1 / 4k, batch 1 / 16k and batch 8 / 4k,
@@ -273,31 +279,36 @@ class VerifySplitKV:
             # each plan checks that its slices fit
         return MAX_SPLITS
 
-    def _small_batch(self, batch_size: Optional[int], kv_dtype: torch.dtype):
+    def _small_batch(self, batch_size: Optional[int], kv_dtype: torch.dtype, prefix_len: int):
         """The small-launch tile for ``batch_size`` sequences, or ``None`` (see :mod:`splitkv.splits`)."""
         if (batch_size is None or self._config is not None or self.fixed_n_splits is not None
                 or self.split_tokens is not None or interpreting()):
             return None
         return small_batch_tile(max(self.head_dim, self.v_head_dim), self.block_m, _element_size(kv_dtype),
-                                batch_size * self.head_tiles, self.num_sms)
+                                batch_size * self.head_tiles, self.num_sms, prefix_len)
 
-    def config(self, kv_dtype: torch.dtype, batch_size: Optional[int] = None) -> TileConfig:
-        """The tile shape for a pool of ``kv_dtype`` (and a batch of ``batch_size``, if given)."""
+    def config(self, kv_dtype: torch.dtype, batch_size: Optional[int] = None, prefix_len: int = 0) -> TileConfig:
+        """The tile shape for a pool of ``kv_dtype`` (and a batch of ``batch_size``
+        sequences of about ``prefix_len`` keys, if given)."""
         if self._config is not None:
             return self._config
-        small = self._small_batch(batch_size, kv_dtype)
+        small = self._small_batch(batch_size, kv_dtype, prefix_len)
         if small is not None:
             return TileConfig(self.block_m, *small)
         return tile_config(self.head_dim, self.v_head_dim, rows_per_tile(self.heads_per_tile, self.max_len_extend),
                            interpreting(), kv_bytes=_element_size(kv_dtype))
 
-    def n_splits(self, batch_size: int, prefix_len: int, kv_dtype: torch.dtype = torch.bfloat16) -> int:
+    def n_splits(self, batch_size: int, prefix_len: int, kv_dtype: torch.dtype = torch.bfloat16,
+                 small: Optional[bool] = None) -> int:
         """Grid slices for a batch (static shapes only).
 
         Args:
             batch_size: sequences in the call.
             prefix_len: representative prefix length (``kv_indices.shape[0] // batch_size``).
             kv_dtype: the pool's dtype (fp8 pools may tile differently).
+            small: whether the launch runs the small-launch tile (a plan fixes
+                it when made); default: as :meth:`config` decides for
+                ``batch_size`` and ``prefix_len``.
 
         Returns:
             The fixed count if one was given; in fixed-slice mode
@@ -308,7 +319,9 @@ class VerifySplitKV:
             return self.fixed_n_splits
         if self.split_tokens is not None:
             return fixed_n_splits(batch_size * prefix_len, self.split_tokens)
-        if self._small_batch(batch_size, kv_dtype) is not None:
+        if small is None:
+            small = self._small_batch(batch_size, kv_dtype, prefix_len) is not None
+        if small:
             return one_wave_n_splits(batch_size * self.head_tiles, prefix_len, self.num_sms,
                                      min_split_tokens=min_split_tokens())
         kv_bytes = _element_size(kv_dtype)
@@ -442,7 +455,6 @@ class VerifyPlan:
         self.dtype = q_extend.dtype
         self.device = q_extend.device
         self.return_lse = return_lse
-        self.config = cfg = r.config(k_buffer.dtype, bs)
         self._kv_dtype = k_buffer.dtype
         self._tiles = bs * r.head_tiles
         paged = k_buffer.dim() == 4
@@ -450,6 +462,10 @@ class VerifyPlan:
         self.page_size = k_buffer.shape[1] if paged else 1
         #: keys a query may see in the prefix (sliding window), else None
         self.window = int(sliding_window_size) if sliding_window_size is not None and sliding_window_size > 0 else None
+        # The tile is fixed here, from this call's prefix; rebind() may change only the split count.
+        prefix = self._prefix(kv_len, 0)
+        self._small = r._small_batch(bs, k_buffer.dtype, prefix) is not None
+        self.config = cfg = r.config(k_buffer.dtype, bs, prefix)
         self._size(kv_len)
         if sm_scale is None:
             sm_scale = 1.0 / math.sqrt(r.head_dim)
@@ -502,6 +518,7 @@ class VerifyPlan:
             WRITE_LSE=bool(return_lse),
             MERGE_UNROLL=4,
             DOT_PRECISION="ieee" if q_extend.dtype == torch.float32 else None,
+            DOT_F16=_element_size(k_buffer.dtype) == 1 and q_extend.dtype == torch.bfloat16,
         )
         self._constexprs = constexprs
         self._options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -519,10 +536,7 @@ class VerifyPlan:
             # Fixed slices: enough for the longest possible prefix (every key in one sequence).
             self.n_splits = fixed_n_splits(kv_len * self.page_size, r.split_tokens)
         else:
-            prefix = kv_len * self.page_size // bs  # representative keys per sequence
-            if self.window is not None:
-                prefix = min(prefix, self.window + self.config.block_n)  # only the window's slices are read
-            self.n_splits = r.n_splits(bs, prefix, self._kv_dtype)
+            self.n_splits = r.n_splits(bs, self._prefix(kv_len, self.config.block_n), self._kv_dtype, self._small)
         self.grid = (self._tiles, self.n_splits, 1)
         if self._tiles >= 2**31 or self.n_splits > MAX_GRID_SPLITS:
             raise ValueError(f"grid {self.grid[:2]} exceeds CUDA's launch limits")
@@ -532,9 +546,14 @@ class VerifyPlan:
         if r.workspace is not None and self.n_splits > 1 and rows * (r.v_head_dim + 1) > r._ws_parts.numel():
             raise ValueError("the workspace is too small for this call's slices")
 
+    def _prefix(self, kv_len: int, block_n: int) -> int:
+        """Representative keys per sequence; under a window, only the window's slices are read."""
+        prefix = kv_len * self.page_size // self.batch_size
+        return prefix if self.window is None else min(prefix, self.window + block_n)
+
     def _fusable(self) -> bool:
-        """Whether the last program can merge alone: at most ``FUSED_MAX_MERGE`` floats to read."""
-        return self.n_splits * self.config.block_m * self.runner.v_head_dim <= FUSED_MAX_MERGE
+        """Whether the last program merges alone: tiles of at most ``FUSED_MAX_BLOCK_M`` rows, ``FUSED_MAX_MERGE`` floats."""
+        return fused_merge_fits(self.n_splits, self.config.block_m, self.runner.v_head_dim)
 
     def _pick_launchers(self, spread: bool = False) -> None:
         """One launch (merge in the kernel) for few slices, else (or if ``spread``) verify + spread merge."""
@@ -664,6 +683,11 @@ class VerifyPlan:
                 sc[4], sc[6], sc[8], sc[9], sc[10], s_ot, s_oh,
             ), stream, key)
         return (out, lse) if self.return_lse else out
+
+
+def fused_merge_fits(n_splits: int, block_m: int, v_head_dim: int) -> bool:
+    """Whether a tile's last program merges its slices itself (one launch); see ``FUSED_MAX_MERGE``."""
+    return block_m <= FUSED_MAX_BLOCK_M and n_splits * block_m * v_head_dim <= FUSED_MAX_MERGE
 
 
 def _element_size(dtype: torch.dtype) -> int:

@@ -28,7 +28,7 @@ from typing import Dict, Tuple
 from .checks import interpreting
 
 __all__ = ["TUNED", "tuned_tile", "programs_per_sm", "min_split_tokens", "small_batch_tile", "TABLE_PATH",
-           "SMALL_BATCH_SMS_PER_TILE", "k_rows", "K_ROWS_MIN_HEAD_DIM", "K_ROWS_MIN_BLOCK_M"]
+           "SMALL_BATCH_SMS_PER_TILE", "SMALL_BATCH_MAX_PREFIX", "k_rows", "K_ROWS_MIN_HEAD_DIM", "K_ROWS_MIN_BLOCK_M"]
 
 #: Where the sweep's table lives.
 TABLE_PATH = os.path.join(os.path.dirname(__file__), "tuned_h200.json")
@@ -113,17 +113,24 @@ def min_split_tokens() -> int:
 #: least this many SMs to itself: the schedule then gives every tile
 #: ``num_sms // tiles`` slices, one program per SM, one wave.
 SMALL_BATCH_SMS_PER_TILE = 8
+#: Longest representative prefix served by the small-launch schedule: the
+#: sweep measured it faster at 4k and 16k only. At 64k the throughput tile and
+#: the usual chooser were faster on the H200 (batch 1, CUDA-graph replays,
+#: 2026-12-01): Llama-3-8B 93.6 -> 87.7 us, Qwen3-32B 98.0 -> 90.4 us.
+SMALL_BATCH_MAX_PREFIX = 16384
 
 
-def small_batch_tile(head_dim: int, block_m: int, kv_bytes: int, tiles: int, num_sms: int):
+def small_batch_tile(head_dim: int, block_m: int, kv_bytes: int, tiles: int, num_sms: int,
+                     prefix_len: int = 0):
     """``(block_n, num_warps, num_stages, k_rows)`` for a small launch, or ``None``.
 
     ``k_rows`` follows :func:`k_rows`. ``None`` when the launch is not small
-    (``tiles * SMALL_BATCH_SMS_PER_TILE > num_sms``) or the sweep found no
-    tile faster than the throughput tile for this (head dim, BLOCK_M, pool
+    (``tiles * SMALL_BATCH_SMS_PER_TILE > num_sms``), its representative
+    prefix is longer than :data:`SMALL_BATCH_MAX_PREFIX`, or the sweep found
+    no tile faster than the throughput tile for this (head dim, BLOCK_M, pool
     element size): then the usual schedule runs.
     """
-    if tiles * SMALL_BATCH_SMS_PER_TILE > num_sms:
+    if tiles * SMALL_BATCH_SMS_PER_TILE > num_sms or prefix_len > SMALL_BATCH_MAX_PREFIX:
         return None
     row = TUNED["small_batch_tiles"].get((head_dim, block_m, kv_bytes))
     if row is None:

@@ -281,6 +281,18 @@ def test_host_timer_on_cpu():
     assert 0 < t.host(lambda: None) < 1000
 
 
+def test_host_timer_is_a_median_of_batches():
+    """One interrupted batch (a 50 ms stall in one call of 100) does not move the host time."""
+    import time
+
+    calls = iter(range(10**6))
+    stall = lambda: time.sleep(0.05) if next(calls) == 40 else None  # the warm-up call is number 0
+    t = bench.Timer(host_calls=100, host_batches=5)
+    assert t.host(stall) < 100  # µs; one mean over the 100 calls would be >= 500
+    with pytest.raises(ValueError):
+        bench.Timer(host_calls=4, host_batches=5)
+
+
 # ---- Tables and plots on a synthetic result --------------------------------------------------------
 
 def _rec(graph, **extra):

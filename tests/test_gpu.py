@@ -61,6 +61,20 @@ def test_fp8_pool_with_scales():
     assert_matches_reference(out, p)
 
 
+@pytest.mark.parametrize("model", ["llama3-8b", "qwen3-next"])
+def test_fp8_pool_with_bf16_queries_beyond_float16_range(model):
+    """bf16 queries meet fp8 keys in float16 dots: a query tile past float16's range (65504)
+    is divided by a power of two first, so nothing overflows (scores stay moderate: the
+    keys are scaled down as much)."""
+    p = model_problem(model, [3000, 77], dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn,
+                      k_scale=2e-5, v_scale=1.3, seed=5)
+    p = p.replace(q_extend=p.q_extend * 5e4, k_extend=p.k_extend * 2e-5)
+    assert p.q_extend.abs().max() > 65504
+    out = p.new_output()
+    assert verify_splitkv_fwd(*p.args(out), **p.kwargs())
+    assert_matches_reference(out, p)
+
+
 def _poisoned_runner(p, **kwargs):
     """A runner on a caller-owned workspace whose partials are NaN (0xFF bytes), counters 0."""
     nbytes = workspace_bytes(p.num_q_heads, p.num_kv_heads, p.v_head_dim, p.max_len_extend, 16,

@@ -410,14 +410,15 @@ def test_gpu_launch_is_what_the_runner_launches_on_a_gpu(monkeypatch):
         for bs, prefix in ((1, 4096), (8, 16384), (32, 65536)):
             g = gpu_launch(s.num_q_heads, s.num_kv_heads, s.head_dim, bs, prefix, num_sms=132)
             r = VerifySplitKV(s.num_q_heads, s.num_kv_heads, s.head_dim, s.head_dim, 4, bs, DEVICE, num_sms=132)
-            assert r.config(torch.bfloat16, bs) == g.cfg
+            assert r.config(torch.bfloat16, bs, prefix) == g.cfg
             assert r.head_tiles == g.head_tiles
             assert r.n_splits(bs, prefix) == g.n_splits
 
 
 def test_small_launches_take_one_wave(monkeypatch):
     """With a small-batch tile in the table, batch 1 of an 8-KV-head model gets num_sms // tiles slices
-    and that tile (runner and mirror alike); batch 8 keeps the usual schedule."""
+    and that tile (runner and mirror alike); batch 8, and prefixes past SMALL_BATCH_MAX_PREFIX, keep
+    the usual schedule."""
     import splitkv.runner as runner_mod
     from splitkv import VerifySplitKV, tuning
     from splitkv.testing import MODEL_SHAPES
@@ -428,16 +429,19 @@ def test_small_launches_take_one_wave(monkeypatch):
     r = VerifySplitKV(s.num_q_heads, s.num_kv_heads, s.head_dim, s.head_dim, 4, 8, DEVICE, num_sms=132)
     key = (s.head_dim, r.block_m, 2)
     monkeypatch.setitem(tuning.TUNED["small_batch_tiles"], key, dict(block_n=64, num_warps=4, num_stages=3))
-    for bs, prefix, small in ((1, 4096, True), (2, 16384, True), (1, 256, True), (8, 4096, False)):
+    longest = tuning.SMALL_BATCH_MAX_PREFIX
+    for bs, prefix, small in ((1, 4096, True), (2, longest, True), (1, 256, True), (8, 4096, False),
+                              (1, longest + 1, False), (2, 65536, False)):
         g = gpu_launch(s.num_q_heads, s.num_kv_heads, s.head_dim, bs, prefix, num_sms=132)
-        cfg = r.config(torch.bfloat16, bs)
+        cfg = r.config(torch.bfloat16, bs, prefix)
         assert cfg == g.cfg and r.n_splits(bs, prefix) == g.n_splits
         tiles = bs * r.head_tiles
         if small:
             assert (cfg.block_n, cfg.num_stages) == (64, 3)
             assert g.n_splits == min(132 // tiles, cdiv(prefix, tuning.TUNED["min_split_tokens"]))
         else:
-            assert (cfg.block_n, cfg.num_stages) != (64, 3) and tiles * tuning.SMALL_BATCH_SMS_PER_TILE > 132
+            assert (cfg.block_n, cfg.num_stages) != (64, 3)
+            assert tiles * tuning.SMALL_BATCH_SMS_PER_TILE > 132 or prefix > longest
 
 
 def test_k_tile_layout_per_head_dim_and_pool():

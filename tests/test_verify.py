@@ -277,6 +277,21 @@ def test_drop_in_reuses_one_runner_per_shape():
         assert last_plan().runner is runner
 
 
+def test_drop_in_replans_when_prefixes_pass_the_small_launch_limit(monkeypatch):
+    """A cached plan keeps its tile while prefixes grow; past SMALL_BATCH_MAX_PREFIX keys
+    (where the small-launch tile stops being the faster one) the drop-in plans anew, once."""
+    from splitkv import api
+
+    monkeypatch.setattr(api, "SMALL_BATCH_MAX_PREFIX", 100)
+    full = make_problem([150], 2, 4, 1, 16, device=DEVICE, seed=7)  # one pool; the prefix grows
+    plans = []
+    for prefix in (60, 90, 101, 150):
+        p = full.replace(kv_indptr=full.kv_indptr.clamp(max=prefix), kv_indices=full.kv_indices[:prefix])
+        assert_matches_reference(run_split(p), p)
+        plans.append(last_plan())
+    assert plans[0] is plans[1] and plans[2] is plans[3] and plans[1] is not plans[2]
+
+
 def test_runner_grows_in_place_and_outgrown_counters_stay():
     """A larger max_bs raises the cached runner's bound (nothing is sized by it); counter arrays
     that are outgrown stay referenced (CUDA graphs captured with them keep valid addresses)."""
