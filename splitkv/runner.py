@@ -555,6 +555,10 @@ class VerifyPlan:
         """Whether the last program merges alone: tiles of at most ``FUSED_MAX_BLOCK_M`` rows, ``FUSED_MAX_MERGE`` floats."""
         return fused_merge_fits(self.n_splits, self.config.block_m, self.runner.v_head_dim)
 
+    def _launch_kind(self) -> Tuple[bool, bool]:
+        """What the launchers are compiled for: (one launch, several slices)."""
+        return self.runner.one_launch and self._fusable(), self.n_splits > 1
+
     def _pick_launchers(self, spread: bool = False) -> None:
         """One launch (merge in the kernel) for few slices, else (or if ``spread``) verify + spread merge."""
         r, cfg = self.runner, self.config
@@ -617,9 +621,9 @@ class VerifyPlan:
         """
         kv_len = kv_indices.shape[0]
         if kv_len != self.kv_len:
-            fused = self.fused
+            kind = self._launch_kind()
             self._size(kv_len)
-            if (self.runner.one_launch and self._fusable()) != fused:
+            if self._launch_kind() != kind:  # e.g. one slice -> several: the kernel must now merge
                 self._pick_launchers()
         self._bind(qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sinks,
                    kv_last_page_len, window_kv_offsets)

@@ -30,6 +30,7 @@ from splitkv import (
     VerifyPlan,
     VerifySplitKV,
     can_handle,
+    clear_caches,
     decline_reason,
     extend_attention_fwd,
     get_runner,
@@ -283,6 +284,7 @@ def test_drop_in_replans_when_prefixes_pass_the_small_launch_limit(monkeypatch):
     from splitkv import api
 
     monkeypatch.setattr(api, "SMALL_BATCH_MAX_PREFIX", 100)
+    clear_caches()
     full = make_problem([150], 2, 4, 1, 16, device=DEVICE, seed=7)  # one pool; the prefix grows
     plans = []
     for prefix in (60, 90, 101, 150):
@@ -290,6 +292,17 @@ def test_drop_in_replans_when_prefixes_pass_the_small_launch_limit(monkeypatch):
         assert_matches_reference(run_split(p), p)
         plans.append(last_plan())
     assert plans[0] is plans[1] and plans[2] is plans[3] and plans[1] is not plans[2]
+
+
+def test_drop_in_rebinds_from_one_slice_to_several_and_back():
+    """A cached plan made for one slice (finished in registers) that a longer prefix rebinds
+    to several must merge them, and go back; found on the H200, where 60 keys are one slice."""
+    clear_caches()  # the first call must plan afresh
+    full = make_problem([150], 2, 4, 1, 16, device=DEVICE, seed=8)  # one pool; the prefix grows
+    for prefix in (MIN_SPLIT // 2, 150, MIN_SPLIT // 2):
+        p = full.replace(kv_indptr=full.kv_indptr.clamp(max=prefix), kv_indices=full.kv_indices[:prefix])
+        assert_matches_reference(run_split(p), p)
+        assert last_plan().n_splits == -(-prefix // MIN_SPLIT)
 
 
 def test_runner_grows_in_place_and_outgrown_counters_stay():
