@@ -96,8 +96,9 @@ fp8 pools. K and V rows are widened on chip to the query's dtype, except
 that bf16 queries meet fp8 keys in float16 (``DOT_F16``): one instruction
 widens two e4m3 values to float16, while reaching bf16 takes two more
 conversions, and the widening, not the halved bytes, bounded the fp8 kernel
-(Llama-3-8B, batch 8 / 64k on the H200: 525 us in bf16 dots, 366 us in
-float16, against 503 us for a bf16 pool). Every e4m3 value is exact in
+(Llama-3-8B, batch 8 / 64k on the H200: 525 us in bf16 dots, 395 us in
+float16 with the query scaling below, 366 us without it, against 503 us for
+a bf16 pool; see the design notes). Every e4m3 value is exact in
 float16 (e5m2 too), and float16 keeps 3 more mantissa bits than bf16; its range is
 the catch, so the query tile is divided by a power of two ``q_div``
 (1 unless some element exceeds 2^14) and the scores multiplied back by it.
