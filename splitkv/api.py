@@ -13,9 +13,10 @@ drop-in keeps a cache of plans (:class:`splitkv.runner.VerifyPlan`) keyed by
 the call's *signature*: every tensor's shape, strides, dtype and device except
 ``kv_indices``'s length (which changes every step as prefixes grow; only
 whether the mean prefix exceeds :data:`splitkv.tuning.SMALL_BATCH_MAX_PREFIX`
-counts, since it picks the plan's tile), and every scalar. A signature seen before was already checked by the gate and planned;
-the call only rebinds the step's metadata tensors and launches the compiled
-kernel directly (:mod:`splitkv.launch`). A new signature goes through the gate
+counts, since it picks the plan's tile), and every scalar. A signature seen
+before was already checked by the gate and planned; the call only rebinds
+the step's metadata tensors and launches the compiled kernel directly
+(:mod:`splitkv.launch`). A new signature goes through the gate
 (:func:`splitkv.decline_reason`) and is planned once.
 
 Checked mode: ``check=True`` or the environment variable ``SPLITKV_CHECK=1``

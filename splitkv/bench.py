@@ -731,9 +731,9 @@ def _footer(result: dict) -> List[str]:
         "only gathers and sums the same K/V rows through the same kv_indices (splitkv.floor), over a grid "
         "of launch settings; invariant = splitkv with split_tokens="
         f"{result.get('invariant_split_tokens', INVARIANT_SPLIT_TOKENS)} (batch-invariant); host = wall time "
-        "per eager call, " + _host_method(t) + " (host-bound where it exceeds the graph time; measured for peers only where their graph "
-        f"time is at most {t.get('host_max_graph_us', HOST_MAX_GRAPH_US):.0f} µs); fail = the implementation "
-        "raised, skip = not run at this shape.",
+        "per eager call, " + _host_method(t) + " (host-bound where it exceeds the graph time; measured for "
+        f"peers only where their graph time is at most {t.get('host_max_graph_us', HOST_MAX_GRAPH_US):.0f} µs); "
+        "fail = the implementation raised, skip = not run at this shape.",
     ]
     problems = _problems(result)
     if problems:

@@ -196,8 +196,9 @@ class VerifySplitKV:
             sequence's output is then bitwise the same in any batch).
         workspace: caller-owned zeroed bytes of at least :func:`workspace_bytes`
             (default: per-call allocation, see the module docstring).
-        one_launch: merge in the verify kernel when a tile's partials are at
-            most ``FUSED_MAX_MERGE`` floats (default). ``False`` always merges in
+        one_launch: merge in the verify kernel when a tile has at most
+            ``FUSED_MAX_BLOCK_M`` rows and its partials at most
+            ``FUSED_MAX_MERGE`` floats (default). ``False`` always merges in
             a second launch, which needs no counters: the custom op uses it,
             since ``torch.compile``'s CUDA-graph trees allow no memory that
             outlives a graph except its outputs.
@@ -552,7 +553,7 @@ class VerifyPlan:
         return prefix if self.window is None else min(prefix, self.window + block_n)
 
     def _fusable(self) -> bool:
-        """Whether the last program merges alone: tiles of at most ``FUSED_MAX_BLOCK_M`` rows, ``FUSED_MAX_MERGE`` floats."""
+        """Whether the last program merges alone (:func:`fused_merge_fits`)."""
         return fused_merge_fits(self.n_splits, self.config.block_m, self.runner.v_head_dim)
 
     def _launch_kind(self) -> Tuple[bool, bool]:
