@@ -278,6 +278,12 @@ def test_drop_in_reuses_one_runner_per_shape():
         assert last_plan().runner is runner
 
 
+def first_keys(problem, prefix):
+    """A one-sequence problem cut to the first ``prefix`` keys of its prefix: same pool and
+    tensors' shapes, so the drop-in sees the same signature (a prefix growing step by step)."""
+    return problem.replace(kv_indptr=problem.kv_indptr.clamp(max=prefix), kv_indices=problem.kv_indices[:prefix])
+
+
 def test_drop_in_replans_when_prefixes_pass_the_small_launch_limit(monkeypatch):
     """A cached plan keeps its tile while prefixes grow; past SMALL_BATCH_MAX_PREFIX keys
     (where the small-launch tile stops being the faster one) the drop-in plans anew, once."""
@@ -288,7 +294,7 @@ def test_drop_in_replans_when_prefixes_pass_the_small_launch_limit(monkeypatch):
     full = make_problem([150], 2, 4, 1, 16, device=DEVICE, seed=7)  # one pool; the prefix grows
     plans = []
     for prefix in (60, 90, 101, 150):
-        p = full.replace(kv_indptr=full.kv_indptr.clamp(max=prefix), kv_indices=full.kv_indices[:prefix])
+        p = first_keys(full, prefix)
         assert_matches_reference(run_split(p), p)
         plans.append(last_plan())
     assert plans[0] is plans[1] and plans[2] is plans[3] and plans[1] is not plans[2]
@@ -300,7 +306,7 @@ def test_drop_in_rebinds_from_one_slice_to_several_and_back():
     clear_caches()  # the first call must plan afresh
     full = make_problem([150], 2, 4, 1, 16, device=DEVICE, seed=8)  # one pool; the prefix grows
     for prefix in (MIN_SPLIT // 2, 150, MIN_SPLIT // 2):
-        p = full.replace(kv_indptr=full.kv_indptr.clamp(max=prefix), kv_indices=full.kv_indices[:prefix])
+        p = first_keys(full, prefix)
         assert_matches_reference(run_split(p), p)
         assert last_plan().n_splits == -(-prefix // MIN_SPLIT)
 
