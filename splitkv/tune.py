@@ -1,13 +1,15 @@
 """``python -m splitkv.tune``: the GPU sweep behind ``splitkv/tuned_h200.json``.
 
-Two sweeps, both timed as CUDA-graph replays with ``triton.testing.do_bench``
+Three sweeps, all timed as CUDA-graph replays with ``triton.testing.do_bench``
 (median, L2 flushed), bf16 queries, 4 draft tokens, random ``kv_indices``:
 
 1. Tiles. For each labelled model's head shape and each pool dtype (bf16,
    fp8 e4m3) at batch 8, prefix 16k (a bandwidth-bound shape), every
    ``BLOCK_N x warps x stages`` in the grid below; the fastest is kept, with
    the programs per SM that its compiled kernel's registers and shared memory
-   allow (the split chooser's ``programs_per_sm``).
+   allow (the split chooser's ``programs_per_sm``). ``--tiles-only KV_DTYPE``
+   runs this sweep alone for one pool dtype, after a change that concerns
+   only that dtype, and keeps the rest of the table.
 2. Slice length. With those tiles, the shortest slice the adaptive chooser
    may use (``min_split_tokens``), at the small shapes where it matters
    (batch 1 and 8, prefixes 4k and 16k, the three models); the value with the
@@ -81,11 +83,11 @@ def _timed_plan(p, **runner_kwargs):
     return plan, run
 
 
-def sweep_tiles(log):
+def sweep_tiles(log, kv_dtypes=KV_DTYPES):
     rows, sweep = [], []
     for model, s in MODEL_SHAPES.items():
         block_m = block_m_for(rows_per_tile(s.group, 4))
-        for kv_name, kv_dtype in KV_DTYPES.items():
+        for kv_name, kv_dtype in kv_dtypes.items():
             p = _problem(model, 8, 16384, kv_dtype)
             best = None
             for bn in BLOCK_NS:
@@ -113,7 +115,8 @@ def sweep_tiles(log):
                             best = rec
             rows.append(dict(head_dim=s.head_dim, block_m=block_m, kv_bytes=1 if "float8" in kv_name else 2,
                              block_n=best["block_n"], num_warps=best["num_warps"], num_stages=best["num_stages"],
-                             programs_per_sm=best["programs_per_sm"], from_model=model, us=best["us"]))
+                             programs_per_sm=best["programs_per_sm"], from_model=model, us=best["us"],
+                             date=datetime.date.today().isoformat()))
             del p
     return rows, sweep
 
@@ -184,11 +187,24 @@ def _small_batch_only(path, log):
     return table
 
 
+def _tiles_only(path, kv_name, log):
+    """Sweep 1 for one pool dtype; the table's other rows and sweeps are kept."""
+    with open(path) as f:
+        table = json.load(f)
+    rows, sweep = sweep_tiles(log, {kv_name: KV_DTYPES[kv_name]})
+    kv_bytes = {r["kv_bytes"] for r in rows}
+    table["tiles"] = [r for r in table["tiles"] if r["kv_bytes"] not in kv_bytes] + rows
+    table["tile_sweep"] = [r for r in table["tile_sweep"] if r["kv_dtype"] != kv_name] + sweep
+    return table
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m splitkv.tune", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=tuning.TABLE_PATH, help="table to write (default: the package's)")
     ap.add_argument("--small-batch", action="store_true",
                     help="run sweep 3 alone and update the table's small_batch_tiles")
+    ap.add_argument("--tiles-only", choices=sorted(KV_DTYPES), metavar="KV_DTYPE",
+                    help="run sweep 1 alone for this pool dtype (one of %(choices)s) and update its tiles")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the sweep needs a CUDA GPU")
@@ -196,6 +212,14 @@ def main(argv=None):
 
     start = time.time()
     log = lambda msg: print(f"[{time.time() - start:6.1f}s] {msg}", flush=True)  # noqa: E731
+    if args.tiles_only:
+        table = _tiles_only(args.out, args.tiles_only, log)
+        with open(args.out, "w") as f:
+            json.dump(table, f, indent=1)
+            f.write("\n")
+        log(f"wrote {args.out}: {args.tiles_only} tiles "
+            f"{[(r['from_model'], r['block_n'], r['num_warps'], r['num_stages']) for r in table['tiles']]}")
+        return
     if args.small_batch:
         table = _small_batch_only(args.out, log)
         with open(args.out, "w") as f:

@@ -1,0 +1,48 @@
+"""The sweep's table (``splitkv/tuned_h200.json``) and how ``python -m splitkv.tune`` updates it.
+
+The sweep itself needs a GPU; here its table-keeping is checked with a
+stand-in sweep, and the committed table against the models it must cover.
+"""
+
+import json
+
+from splitkv import tune, tuning
+from splitkv.kernel import block_m_for, rows_per_tile
+from splitkv.testing import MODEL_SHAPES
+
+
+def test_committed_table_has_one_tile_per_model_and_pool_dtype():
+    with open(tuning.TABLE_PATH) as f:
+        rows = json.load(f)["tiles"]
+    keys = [(r["head_dim"], r["block_m"], r["kv_bytes"]) for r in rows]
+    assert len(keys) == len(set(keys))
+    for s in MODEL_SHAPES.values():
+        block_m = block_m_for(rows_per_tile(s.group, 4))
+        for kv_bytes in (1, 2):
+            assert (s.head_dim, block_m, kv_bytes) in keys
+
+
+def test_tiles_only_replaces_one_pool_dtype_and_keeps_the_rest(tmp_path, monkeypatch):
+    with open(tuning.TABLE_PATH) as f:
+        table = json.load(f)
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table))
+
+    def fake_sweep(log, kv_dtypes):
+        assert list(kv_dtypes) == ["float8_e4m3fn"]
+        rows = [dict(r, block_n=16, us=1.0) for r in table["tiles"] if r["kv_bytes"] == 1]
+        return rows, [dict(model="m", kv_dtype="float8_e4m3fn", us=1.0)]
+
+    monkeypatch.setattr(tune, "sweep_tiles", fake_sweep)
+    new = tune._tiles_only(str(path), "float8_e4m3fn", lambda msg: None)
+    by_bytes = lambda t, b: sorted((r["head_dim"], r["block_m"], r["block_n"]) for r in t["tiles"]  # noqa: E731
+                                   if r["kv_bytes"] == b)
+    assert by_bytes(new, 2) == by_bytes(table, 2)
+    assert {r["block_n"] for r in new["tiles"] if r["kv_bytes"] == 1} == {16}
+    assert len(new["tiles"]) == len(table["tiles"])
+    assert [r for r in new["tile_sweep"] if r["kv_dtype"] == "bfloat16"] == \
+        [r for r in table["tile_sweep"] if r["kv_dtype"] == "bfloat16"]
+    assert [r for r in new["tile_sweep"] if r["kv_dtype"] == "float8_e4m3fn"] == \
+        [dict(model="m", kv_dtype="float8_e4m3fn", us=1.0)]
+    for key in ("min_split_tokens", "small_batch_tiles", "split_sweep"):
+        assert new[key] == table[key]
