@@ -198,6 +198,12 @@ def _tiles_only(path, kv_name, log):
     return table
 
 
+def _write_table(path, table):
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m splitkv.tune", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=tuning.TABLE_PATH, help="table to write (default: the package's)")
@@ -214,17 +220,13 @@ def main(argv=None):
     log = lambda msg: print(f"[{time.time() - start:6.1f}s] {msg}", flush=True)  # noqa: E731
     if args.tiles_only:
         table = _tiles_only(args.out, args.tiles_only, log)
-        with open(args.out, "w") as f:
-            json.dump(table, f, indent=1)
-            f.write("\n")
+        _write_table(args.out, table)
         log(f"wrote {args.out}: {args.tiles_only} tiles "
             f"{[(r['from_model'], r['block_n'], r['num_warps'], r['num_stages']) for r in table['tiles']]}")
         return
     if args.small_batch:
         table = _small_batch_only(args.out, log)
-        with open(args.out, "w") as f:
-            json.dump(table, f, indent=1)
-            f.write("\n")
+        _write_table(args.out, table)
         log(f"wrote {args.out}: small_batch_tiles {[(r['from_model'], r['block_n'], r['num_stages']) for r in table['small_batch_tiles']]}")
         return
     tiles, tile_sweep = sweep_tiles(log)
@@ -246,9 +248,7 @@ def main(argv=None):
         small_batch_tiles=small_rows,
         small_batch_sweep=small_sweep,
     )
-    with open(args.out, "w") as f:
-        json.dump(table, f, indent=1)
-        f.write("\n")
+    _write_table(args.out, table)
     log(f"wrote {args.out}: min_split_tokens {best_ms}; tiles {[(r['from_model'], r['kv_bytes'], r['block_n'], r['num_warps'], r['num_stages']) for r in tiles]}")
 
 
