@@ -38,7 +38,7 @@ from .checks import check_verify_inputs, check_verify_values
 from .extend import extend_attention_fwd
 from .gate import decline_reason
 from .paged import flat_pool, token_indices
-from .runner import VerifyPlan, VerifySplitKV
+from .runner import VerifyPlan, VerifySplitKV, mean_prefix
 from .tuning import SMALL_BATCH_MAX_PREFIX
 
 __all__ = ["verify_splitkv_fwd", "verify_attention", "get_runner", "clear_caches"]
@@ -99,7 +99,8 @@ def _signature(q, k, v, o, kb, vb, qo, kvp, kvi, cm, mi, sinks, last, offsets, s
     """Everything the gate and the plan depend on, except kv_indices' length and tensor values.
 
     Of the length, only whether the mean prefix passes ``SMALL_BATCH_MAX_PREFIX`` keys
-    (it fixes the plan's tile: :meth:`VerifySplitKV.config`).
+    (it fixes the plan's tile: :meth:`VerifySplitKV.config`), counted as the plan counts it
+    (:func:`splitkv.runner.mean_prefix`).
 
     Written out flat: it runs on every eager call.
     """
@@ -112,7 +113,7 @@ def _signature(q, k, v, o, kb, vb, qo, kvp, kvi, cm, mi, sinks, last, offsets, s
         vb.shape, vb.stride(), vb.dtype, vb.get_device(),
         qo.shape, qo.dtype, qo.get_device(), kvp.shape, kvp.dtype, kvp.get_device(),
         kvi.dim(), kvi.dtype, kvi.get_device(),
-        kvi.shape[0] * (kb.shape[1] if kb.dim() == 4 else 1) > SMALL_BATCH_MAX_PREFIX * (qo.shape[0] - 1),
+        mean_prefix(kvi.shape[0], kb.shape[1] if kb.dim() == 4 else 1, qo.shape[0] - 1) > SMALL_BATCH_MAX_PREFIX,
         None if cm is None else (_small(cm), _small(mi)),
         None if sinks is None else _small(sinks),
         None if last is None else _small(last),

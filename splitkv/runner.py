@@ -549,7 +549,7 @@ class VerifyPlan:
 
     def _prefix(self, kv_len: int, block_n: int) -> int:
         """Representative keys per sequence; under a window, only the window's slices are read."""
-        prefix = kv_len * self.page_size // self.batch_size
+        prefix = mean_prefix(kv_len, self.page_size, self.batch_size)
         return prefix if self.window is None else min(prefix, self.window + block_n)
 
     def _fusable(self) -> bool:
@@ -688,6 +688,11 @@ class VerifyPlan:
                 sc[4], sc[6], sc[8], sc[9], sc[10], s_ot, s_oh,
             ), stream, key)
         return (out, lse) if self.return_lse else out
+
+
+def mean_prefix(kv_len: int, page_size: int, batch_size: int) -> int:
+    """Keys per sequence, on average, of ``kv_len`` entries of ``kv_indices`` (pages of ``page_size`` keys)."""
+    return kv_len * page_size // max(batch_size, 1)
 
 
 def fused_merge_fits(n_splits: int, block_m: int, v_head_dim: int) -> bool:

@@ -300,6 +300,23 @@ def test_drop_in_replans_when_prefixes_pass_the_small_launch_limit(monkeypatch):
     assert plans[0] is plans[1] and plans[2] is plans[3] and plans[1] is not plans[2]
 
 
+def test_drop_in_cache_key_counts_the_mean_prefix_as_the_plan_does(monkeypatch):
+    """301 keys over 3 sequences are a mean prefix of 100 for the plan (floor), so with a limit
+    of 100 the call keeps the plan made at 300 keys rather than planning anew."""
+    from splitkv import api
+
+    monkeypatch.setattr(api, "SMALL_BATCH_MAX_PREFIX", 100)
+    clear_caches()
+    full = make_problem([100, 100, 101], 2, 4, 1, 16, device=DEVICE, seed=9)
+    short = full.replace(kv_indptr=full.kv_indptr.clamp(max=300), kv_indices=full.kv_indices[:300],
+                         prefix_lens=[100, 100, 100])
+    plans = []
+    for p in (short, full):
+        assert_matches_reference(run_split(p), p)
+        plans.append(last_plan())
+    assert plans[0] is plans[1]
+
+
 def test_drop_in_rebinds_from_one_slice_to_several_and_back():
     """A cached plan made for one slice (finished in registers) that a longer prefix rebinds
     to several must merge them, and go back; found on the H200, where 60 keys are one slice."""
