@@ -132,16 +132,14 @@ def _plan_for(args, features, max_bs, split_tokens, return_lse, one_launch=True,
                split_tokens, return_lse, one_launch)
     try:
         key = _signature(q, k, v, o, kb, vb, qo, kvp, kvi, cm, mi, sinks, kv_last_page_len, offsets, scalars)
-        hash(key)
+        plan = _PLANS.get(key)  # hashing the key raises TypeError for an unhashable scalar
     except (AttributeError, TypeError):  # not tensors, or unhashable scalars: let the gate say why
-        key = None
-    if key is not None:
-        plan = _PLANS.get(key)
-        if plan is not None:
-            _PLANS.move_to_end(key)
-            if isinstance(plan, VerifyPlan):
-                plan.rebind(qo, kvp, kvi, cm, mi, sinks, kv_last_page_len, offsets)
-            return plan
+        key = plan = None
+    if plan is not None:
+        _PLANS.move_to_end(key)
+        if isinstance(plan, VerifyPlan):
+            plan.rebind(qo, kvp, kvi, cm, mi, sinks, kv_last_page_len, offsets)
+        return plan
     reason = decline_reason(
         q, k, v, kb, vb, qo, kvp, kvi, cm, is_causal, mi, max_len_extend,
         f["sliding_window_size"], sinks, f["logit_cap"], f["xai_temperature_len"],

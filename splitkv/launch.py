@@ -20,7 +20,14 @@ compiled code.
 A caller that knows more can pass its own ``key``: a plan whose integers and
 dtypes are fixed passes what it fixed (computed once) plus the one thing
 that can change from layer to layer, the tensors' 16-byte alignment
-(:func:`alignment_bits`), and skips even the per-argument key.
+(:func:`alignment_bits`), and skips even the per-argument key. Such a caller
+can also hand the tensors over as their addresses (:meth:`Launcher.run_ptrs`):
+given a tensor, Triton's launcher calls its ``data_ptr`` and then asks the
+driver whether the address is device memory (``cuPointerGetAttribute``), once
+per tensor and launch; the plan has the addresses already (it needed them
+for the alignment) and checked the devices when it was made. Launch hooks
+that are registered but empty (Triton >= 3.5 keeps them in a chain) are not
+called.
 
 The fast path needs Triton >= 3.3 (the ``knobs`` module and its launch
 signature); launch hooks (profilers) are honoured. Under the interpreter or
@@ -66,13 +73,12 @@ def _specialization(args: Sequence) -> tuple:
     return tuple(key)
 
 
-def alignment_bits(tensors: Sequence[torch.Tensor]) -> int:
-    """Bit ``i`` set when ``tensors[i]`` starts on a 16-byte boundary; ``-1`` when all do.
+def alignment_bits(ptrs: Sequence[int]) -> int:
+    """Bit ``i`` set when address ``ptrs[i]`` is on a 16-byte boundary; ``-1`` when all are.
 
     The common case (every tensor aligned) costs one pass that ORs the
     addresses together.
     """
-    ptrs = [t.data_ptr() for t in tensors]
     any_ptr = 0
     for p in ptrs:
         any_ptr |= p
@@ -129,12 +135,32 @@ class Launcher:
                 kernel = self.compiled(args, grid)
             if key is not None:
                 self._by_key[key] = kernel
+        self._run(kernel, grid, args, stream)
+
+    def run_ptrs(self, key, grid: Tuple[int, int, int], args: Sequence, stream: int) -> bool:
+        """Launch the kernel compiled for ``key`` with ``args`` whose tensors are
+        given as their ``data_ptr()`` addresses, on device memory the caller has
+        checked; ``False`` (nothing launched) when ``key`` has not been launched
+        through :meth:`__call__` yet, or off the fast path."""
+        kernel = self._by_key.get(key)
+        if kernel is None:
+            return False
+        self._run(kernel, grid, args, stream)
+        return True
+
+    def _run(self, kernel, grid, args, stream) -> None:
         if stream is None:
             stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
-        enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
-        # Launch hooks (profilers) get the metadata the JIT path would give them;
-        # Triton >= 3.5 keeps them in a chain that is usually empty.
-        hooked = enter is not None and getattr(enter, "calls", True)
+        enter, leave = _live_hook(_knobs.runtime.launch_enter_hook), _live_hook(_knobs.runtime.launch_exit_hook)
+        # Launch hooks (profilers) get the metadata the JIT path would give them.
+        hooked = enter is not None or leave is not None
         meta = kernel.launch_metadata(grid, stream, *args, *self._tail) if hooked else None
         kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
                    meta, enter, leave, *args, *self._tail)
+
+
+def _live_hook(hook):
+    """``hook``, or ``None`` when it is absent or an empty chain (Triton >= 3.5's ``HookChain``)."""
+    if hook is None or not getattr(hook, "calls", True):
+        return None
+    return hook

@@ -473,6 +473,10 @@ class VerifyPlan:
         use_mask = custom_mask is not None
         min_split = -(-min_split_tokens() // cfg.block_n) * cfg.block_n
         use_offsets = use_mask and window_kv_offsets is not None
+        #: the device index (-1 for the CPU) every tensor of a run must report: the launch
+        #: passes addresses, not tensors (see ``run``), so nothing downstream would check it
+        self._dev_index = q_extend.get_device()
+        self._devices = (self._dev_index,) * 7
         # Bound metadata: the same tensors every run (their values may change).
         self._bind(qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sinks,
                    kv_last_page_len, window_kv_offsets)
@@ -525,8 +529,6 @@ class VerifyPlan:
         self._options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         cuda = self.device.type == "cuda"
         self._pdl = cuda and not interpreting() and torch.cuda.get_device_capability(self.device)[0] >= 9
-        self._dev_index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
-            if cuda else -1
         self._pick_launchers()
 
     def _size(self, kv_len: int) -> None:
@@ -598,7 +600,7 @@ class VerifyPlan:
               kv_last_page_len, window_kv_offsets) -> None:
         use_mask = custom_mask is not None
         # Placeholders (kv_indptr, qo_indptr) stand for absent tensors: never read.
-        self._meta = (
+        m = (
             qo_indptr, kv_indptr, kv_indices,
             kv_last_page_len if kv_last_page_len is not None else kv_indptr,
             custom_mask if use_mask else kv_indptr,
@@ -606,8 +608,12 @@ class VerifyPlan:
             window_kv_offsets if use_mask and window_kv_offsets is not None else kv_indptr,
             sinks if sinks is not None else qo_indptr,
         )
-        self._meta_dtypes = (qo_indptr.dtype, kv_indptr.dtype, kv_indices.dtype, self._meta[3].dtype,
-                             self._meta[4].dtype, self._meta[5].dtype, self._meta[6].dtype, self._meta[7].dtype)
+        if (m[0].get_device(), m[1].get_device(), m[2].get_device(), m[3].get_device(), m[4].get_device(),
+                m[5].get_device(), m[6].get_device(), m[7].get_device()) != self._devices[:1] * 8:
+            raise ValueError(f"metadata tensors must be on the plan's device, {self.device}")
+        self._meta = m
+        self._meta_dtypes = (m[0].dtype, m[1].dtype, m[2].dtype, m[3].dtype, m[4].dtype, m[5].dtype, m[6].dtype,
+                             m[7].dtype)
 
     def rebind(self, qo_indptr, kv_indptr, kv_indices, custom_mask=None, mask_indptr=None, sinks=None,
                kv_last_page_len=None, window_kv_offsets=None) -> None:
@@ -619,15 +625,19 @@ class VerifyPlan:
         ``len(kv_indices) // batch``, rounded as :func:`splitkv.choose_n_splits` does).
         ``kv_last_page_len`` and ``window_kv_offsets`` are given again when the
         plan was made with them (paged pools, mask offsets).
+
+        Raises:
+            ValueError: for a tensor on another device than the plan's (the plan
+                is left as it was).
         """
+        self._bind(qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sinks,
+                   kv_last_page_len, window_kv_offsets)
         kv_len = kv_indices.shape[0]
         if kv_len != self.kv_len:
             kind = self._launch_kind()
             self._size(kv_len)
             if self._launch_kind() != kind:  # e.g. one slice -> several: the kernel must now merge
                 self._pick_launchers()
-        self._bind(qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sinks,
-                   kv_last_page_len, window_kv_offsets)
         self._set_scalars(kv_len, custom_mask)
 
     def release(self) -> None:
@@ -646,6 +656,9 @@ class VerifyPlan:
 
         Returns:
             ``out``, or ``(out, lse)`` when the plan has ``return_lse``.
+
+        Raises:
+            ValueError: for a tensor on another device than the plan's.
         """
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
@@ -669,25 +682,35 @@ class VerifyPlan:
                 cnt = parts
             lse_offset = self._part_rows * r.v_head_dim
         lse_arg = lse if lse is not None else out
+        layer = (q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg)
+        if (q_extend.get_device(), k_extend.get_device(), v_extend.get_device(), k_buffer.get_device(),
+                v_buffer.get_device(), out.get_device(), lse_arg.get_device()) != self._devices:
+            raise ValueError(f"run() takes tensors on the plan's device, {self.device}")
         meta = self._meta
-        tensors = (q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg, *meta, parts, cnt)
+        tensors = (*layer, *meta, parts, cnt)
+        # The addresses serve twice: the launch key's alignment bits, and the launch itself
+        # (Launcher.run_ptrs: Triton would otherwise ask the driver about each one again).
+        ptrs = [t.data_ptr() for t in tensors]
         s_ot, s_oh = out.stride(0), out.stride(1)
         key = (self._spec, self._meta_dtypes, q_extend.dtype, k_extend.dtype, v_extend.dtype, k_buffer.dtype, v_buffer.dtype,
-               out.dtype, s_ot, s_oh, lse_offset < 2**31, alignment_bits(tensors))
-        self._launch(self.grid, (
-            q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg,
-            *meta, parts, lse_offset, cnt,
-            *self._scalars, *self._strides, s_ot, s_oh,
-        ), stream, key)
+               out.dtype, s_ot, s_oh, lse_offset < 2**31, alignment_bits(ptrs))
+        tail = (*self._scalars, *self._strides, s_ot, s_oh)
+        if not self._launch.run_ptrs(key, self.grid, (*ptrs[:16], lse_offset, ptrs[16], *tail), stream):
+            self._launch(self.grid, (*tensors[:16], lse_offset, cnt, *tail), stream, key)  # compiles if needed
         if self._merge is not None:
             # scalars: 4 scales, num_tokens, pool_tokens, kv_len, mask_len, n_splits, min_split, window, xai_len.
             # Its arguments are a subset of the verify launch's: the same key fixes their specialisation.
+            # Pointers, as above: out, lse, qo_indptr, kv_indptr, last-page lengths, sinks, partials.
             sc = self._scalars
-            self._merge(self._merge_grid, (
-                out, lse_arg, meta[0], meta[1], meta[3], meta[7], parts, lse_offset,
-                sc[4], sc[6], sc[8], sc[9], sc[10], s_ot, s_oh,
-            ), stream, key)
+            tail = (lse_offset, sc[4], sc[6], sc[8], sc[9], sc[10], s_ot, s_oh)
+            if not self._merge.run_ptrs(key, self._merge_grid, (*[ptrs[i] for i in _MERGE_PTRS], *tail), stream):
+                self._merge(self._merge_grid, (*[tensors[i] for i in _MERGE_PTRS], *tail), stream, key)
         return (out, lse) if self.return_lse else out
+
+
+#: Positions in ``VerifyPlan.run``'s tensors of the merge kernel's pointer arguments:
+#: out, lse, qo_indptr, kv_indptr, last-page lengths, sinks, partials.
+_MERGE_PTRS = (5, 6, 7, 8, 10, 14, 15)
 
 
 def mean_prefix(kv_len: int, page_size: int, batch_size: int) -> int:

@@ -9,6 +9,7 @@ import torch
 
 from conftest import CUDA, TOLERANCE, assert_matches_reference, gpu
 from splitkv import VerifySplitKV, extend_attention_fwd, verify_splitkv_fwd, workspace_bytes
+from splitkv.launch import Launcher
 from splitkv.testing import MODEL_SHAPES, make_problem, reference_for, relative_error
 
 pytestmark = [gpu, pytest.mark.gpu]
@@ -145,6 +146,35 @@ def test_two_streams_at_once():
 
 def test_cuda_is_there():
     assert CUDA
+
+
+@pytest.mark.parametrize("n_splits,one_launch", [(1, True), (4, True), (4, False)],
+                         ids=["one-slice", "merged-in-kernel", "spread-merge"])
+def test_plan_launches_with_addresses_and_checks_devices(n_splits, one_launch, monkeypatch):
+    """After its first launch a plan hands the launcher addresses, not tensors
+    (``Launcher.run_ptrs``), so it checks devices itself: a CPU tensor is refused,
+    never read as a device address, and the plan still serves after."""
+    p = model_problem("llama3-8b", [2000, 517], dtype=torch.bfloat16)
+    runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, 4, 2, "cuda",
+                           n_splits=n_splits, one_launch=one_launch)
+    plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
+                       p.kv_indices, sm_scale=p.sm_scale)
+    assert plan.fused == (one_launch and n_splits > 1 or n_splits == 1)
+    with pytest.raises(ValueError, match="device"):
+        plan.run(p.q_extend.cpu(), p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    with pytest.raises(ValueError, match="device"):
+        plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output().cpu())
+    with pytest.raises(ValueError, match="device"):
+        plan.rebind(p.qo_indptr, p.kv_indptr, p.kv_indices.cpu())
+    first = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    assert_matches_reference(first, p)
+
+    def no_tensors(*args, **kwargs):
+        raise AssertionError("a launch after the first took the tensor path")
+
+    monkeypatch.setattr(Launcher, "__call__", no_tensors)
+    again = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    assert torch.equal(again, first)
 
 
 # --- breadth: score features and paged pools at real sizes ---------------------

@@ -18,6 +18,6 @@ def test_key_follows_dtype_alignment_and_integer_specialisation():
 
 def test_alignment_bits():
     a = torch.zeros(64, dtype=torch.float16)
-    assert alignment_bits([a, a[8:]]) == -1  # all on 16-byte boundaries
-    assert alignment_bits([a, a[1:], a[8:]]) == 0b101  # which ones are
-    assert alignment_bits([a[1:], a[3:]]) == 0
+    assert alignment_bits([a.data_ptr(), a[8:].data_ptr()]) == -1  # all on 16-byte boundaries
+    assert alignment_bits([a.data_ptr(), a[1:].data_ptr(), a[8:].data_ptr()]) == 0b101  # which ones are
+    assert alignment_bits([a[1:].data_ptr(), a[3:].data_ptr()]) == 0
