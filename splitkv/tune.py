@@ -16,7 +16,7 @@ Three sweeps, all timed as CUDA-graph replays with ``triton.testing.do_bench``
    lowest geometric-mean time wins.
 3. Small launches (``--small-batch`` runs this one alone and keeps the rest
    of the table). At batch 1, prefixes 4k and 16k, each model's tiles
-   (``BLOCK_N x stages``, 4 warps) under the one-wave schedule
+   (``BLOCK_N x warps x stages``) under the one-wave schedule
    (:func:`splitkv.splits.one_wave_n_splits`) against the usual schedule
    with the throughput tile; a tile enters ``small_batch_tiles`` only if its
    geometric-mean time beats the usual schedule's by more than 3 %.
@@ -157,24 +157,27 @@ def sweep_small_batch(log):
         for bn in BLOCK_NS:
             if bn * s.head_dim > 128 * 128:
                 continue
-            for stages in STAGES:
-                tuning.TUNED["small_batch_tiles"][(s.head_dim, block_m, 2)] = dict(
-                    block_n=bn, num_warps=4, num_stages=stages)
-                try:
-                    times = [graph_time_us(_timed_plan(p)[1]) for p in problems]
-                except Exception as err:  # out of resources: not a candidate
-                    log(f"{model} BLOCK_N {bn} stages {stages}: {type(err).__name__}")
-                    continue
-                mean = math.exp(sum(map(math.log, times)) / len(times))
-                sweep.append(dict(model=model, block_n=bn, num_warps=4, num_stages=stages,
-                                  us=dict(zip(map(str, prefixes), times)), usual_us=dict(zip(map(str, prefixes), usual))))
-                log(f"{model:>10} one wave, BLOCK_N {bn:>3} stages {stages}: {times[0]:6.1f} / {times[1]:6.1f} us")
-                if mean < 0.97 * base and (best is None or mean < best[0]):
-                    best = (mean, bn, stages)
+            for warps in WARPS:
+                for stages in STAGES:
+                    tuning.TUNED["small_batch_tiles"][(s.head_dim, block_m, 2)] = dict(
+                        block_n=bn, num_warps=warps, num_stages=stages)
+                    try:
+                        times = [graph_time_us(_timed_plan(p)[1]) for p in problems]
+                    except Exception as err:  # out of resources: not a candidate
+                        log(f"{model} BLOCK_N {bn} warps {warps} stages {stages}: {type(err).__name__}")
+                        continue
+                    mean = math.exp(sum(map(math.log, times)) / len(times))
+                    sweep.append(dict(model=model, block_n=bn, num_warps=warps, num_stages=stages,
+                                      us=dict(zip(map(str, prefixes), times)),
+                                      usual_us=dict(zip(map(str, prefixes), usual))))
+                    log(f"{model:>10} one wave, BLOCK_N {bn:>3} warps {warps} stages {stages}: "
+                        f"{times[0]:6.1f} / {times[1]:6.1f} us")
+                    if mean < 0.97 * base and (best is None or mean < best[0]):
+                        best = (mean, bn, warps, stages)
         tuning.TUNED["small_batch_tiles"].pop((s.head_dim, block_m, 2), None)
         if best is not None:
-            rows.append(dict(head_dim=s.head_dim, block_m=block_m, kv_bytes=2, block_n=best[1], num_warps=4,
-                             num_stages=best[2], from_model=model, us=best[0], usual_us=base))
+            rows.append(dict(head_dim=s.head_dim, block_m=block_m, kv_bytes=2, block_n=best[1], num_warps=best[2],
+                             num_stages=best[3], from_model=model, us=best[0], usual_us=base))
     return rows, sweep
 
 
