@@ -586,8 +586,10 @@ _LABEL = {"splitkv": "splitkv", "splitkv_invariant": "invariant", "seed": "seed"
 
 
 def _shape(r: dict) -> str:
+    """The row's label; ``†`` marks a row carried over from another run (``carried_from``, see the footer)."""
     prefix = r["prefix"]
-    return f"{r['model']} bs{r['batch']} {prefix // 1024 if prefix % 1024 == 0 else prefix / 1024:g}k"
+    label = f"{r['model']} bs{r['batch']} {prefix // 1024 if prefix % 1024 == 0 else prefix / 1024:g}k"
+    return label + " †" if r.get("carried_from") else label
 
 
 def _dtype_label(r: dict) -> str:
@@ -735,6 +737,9 @@ def _footer(result: dict) -> List[str]:
         f"peers only where their graph time is at most {t.get('host_max_graph_us', HOST_MAX_GRAPH_US):.0f} µs); "
         "fail = the implementation raised, skip = not run at this shape.",
     ]
+    carried = sorted({r["carried_from"] for r in result["rows"] if r.get("carried_from")})
+    if carried:
+        lines.append("† not measured in this run; carried over from " + "; ".join(carried) + ".")
     problems = _problems(result)
     if problems:
         lines.append("Failures and skips: " + "; ".join(problems) + ".")

@@ -358,6 +358,16 @@ def test_format_markdown():
     assert "NVIDIA H200 (132 SMs), measured read bandwidth 4.25 TB/s" in md
 
 
+def test_rows_carried_from_another_run_are_marked():
+    result = synthetic_result()
+    result["rows"][-1]["carried_from"] = "the run of 2026-12-01 at commit abc1234"
+    md = bench.format_markdown(result)
+    shape = bench._shape(result["rows"][-1])
+    assert shape.endswith(" †") and f"| {shape} |" in md
+    assert "† not measured in this run; carried over from the run of 2026-12-01 at commit abc1234." in md
+    assert " †" not in bench._shape(result["rows"][0])
+
+
 def test_format_table():
     text = bench.format_table(synthetic_result())
     assert "gather floor" in text and "fp8 ÷ bf16" in text and "invariant" in text
