@@ -181,9 +181,14 @@ def sweep_small_batch(log):
     return rows, sweep
 
 
-def _small_batch_only(path, log):
+def _read_table(path):
     with open(path) as f:
-        table = json.load(f)
+        return json.load(f)
+
+
+def _small_batch_only(path, log):
+    """Sweep 3 alone; the table's other entries are kept."""
+    table = _read_table(path)
     rows, sweep = sweep_small_batch(log)
     table.update(small_batch_tiles=rows, small_batch_sweep=sweep,
                  small_batch_date=datetime.date.today().isoformat())
@@ -192,8 +197,7 @@ def _small_batch_only(path, log):
 
 def _tiles_only(path, kv_name, log):
     """Sweep 1 for one pool dtype; the table's other rows and sweeps are kept."""
-    with open(path) as f:
-        table = json.load(f)
+    table = _read_table(path)
     rows, sweep = sweep_tiles(log, {kv_name: KV_DTYPES[kv_name]})
     kv_bytes = {r["kv_bytes"] for r in rows}
     table["tiles"] = [r for r in table["tiles"] if r["kv_bytes"] not in kv_bytes] + rows
@@ -230,7 +234,7 @@ def main(argv=None):
     if args.small_batch:
         table = _small_batch_only(args.out, log)
         _write_table(args.out, table)
-        log(f"wrote {args.out}: small_batch_tiles {[(r['from_model'], r['block_n'], r['num_stages']) for r in table['small_batch_tiles']]}")
+        log(f"wrote {args.out}: small_batch_tiles {[(r['from_model'], r['block_n'], r['num_warps'], r['num_stages']) for r in table['small_batch_tiles']]}")
         return
     tiles, tile_sweep = sweep_tiles(log)
     tuning.TUNED["tiles"] = {(r["head_dim"], r["block_m"], r["kv_bytes"]): r for r in tiles}

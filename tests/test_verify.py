@@ -278,10 +278,13 @@ def test_drop_in_reuses_one_runner_per_shape():
         assert last_plan().runner is runner
 
 
-def first_keys(problem, prefix):
-    """A one-sequence problem cut to the first ``prefix`` keys of its prefix: same pool and
-    tensors' shapes, so the drop-in sees the same signature (a prefix growing step by step)."""
-    return problem.replace(kv_indptr=problem.kv_indptr.clamp(max=prefix), kv_indices=problem.kv_indices[:prefix])
+def first_keys(problem, n):
+    """The problem cut to the first ``n`` entries of ``kv_indices`` (later sequences lose keys
+    first): same pool and tensors' shapes, so the drop-in sees the same signature, as when
+    prefixes grow step by step."""
+    indptr = problem.kv_indptr.clamp(max=n)
+    return problem.replace(kv_indptr=indptr, kv_indices=problem.kv_indices[:n],
+                           prefix_lens=(indptr[1:] - indptr[:-1]).tolist())
 
 
 def test_drop_in_replans_when_prefixes_pass_the_small_launch_limit(monkeypatch):
@@ -308,8 +311,8 @@ def test_drop_in_cache_key_counts_the_mean_prefix_as_the_plan_does(monkeypatch):
     monkeypatch.setattr(api, "SMALL_BATCH_MAX_PREFIX", 100)
     clear_caches()
     full = make_problem([100, 100, 101], 2, 4, 1, 16, device=DEVICE, seed=9)
-    short = full.replace(kv_indptr=full.kv_indptr.clamp(max=300), kv_indices=full.kv_indices[:300],
-                         prefix_lens=[100, 100, 100])
+    short = first_keys(full, 300)
+    assert short.prefix_lens == [100, 100, 100]
     plans = []
     for p in (short, full):
         assert_matches_reference(run_split(p), p)
