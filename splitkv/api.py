@@ -57,8 +57,8 @@ def clear_caches() -> None:
 
 
 def _checking(check: Optional[bool]) -> bool:
-    if check is None:
-        check = os.environ.get("SPLITKV_CHECK", "0") not in ("", "0")
+    if check is None:  # ("in" first: a missing key costs os.environ.get a raised KeyError)
+        check = "SPLITKV_CHECK" in os.environ and os.environ["SPLITKV_CHECK"] not in ("", "0")
     return bool(check) and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
@@ -123,13 +123,17 @@ def _signature(q, k, v, o, kb, vb, qo, kvp, kvi, cm, mi, sinks, last, offsets, s
 
 
 def _plan_for(args, features, max_bs, split_tokens, return_lse, one_launch=True, kv_last_page_len=None):
-    """The cached plan for a drop-in call, or the gate's reason to decline."""
+    """The cached plan for a drop-in call, or the gate's reason to decline.
+
+    ``args``: ``extend_attention_fwd``'s 15 positional arguments; ``features``: its keyword
+    arguments as a tuple (sm_scale, logit_cap, skip_prefix_custom_mask, sliding_window_size,
+    sinks, window_kv_offsets, xai_temperature_len). A plan found in the cache is rebound to
+    this call's metadata.
+    """
     (q, k, v, o, kb, vb, qo, kvp, kvi, cm, is_causal, mi, max_len_extend, k_scale, v_scale) = args
-    f = features
-    sinks, offsets = f["sinks"], f["window_kv_offsets"]
-    scalars = (is_causal, max_len_extend, k_scale, v_scale, f["sm_scale"], f["logit_cap"],
-               f["skip_prefix_custom_mask"], f["sliding_window_size"], f["xai_temperature_len"], max_bs,
-               split_tokens, return_lse, one_launch)
+    sm_scale, logit_cap, skip_prefix_custom_mask, window, sinks, offsets, xai_temperature_len = features
+    scalars = (is_causal, max_len_extend, k_scale, v_scale, sm_scale, logit_cap, skip_prefix_custom_mask, window,
+               xai_temperature_len, max_bs, split_tokens, return_lse, one_launch)
     try:
         key = _signature(q, k, v, o, kb, vb, qo, kvp, kvi, cm, mi, sinks, kv_last_page_len, offsets, scalars)
         plan = _PLANS.get(key)  # hashing the key raises TypeError for an unhashable scalar
@@ -138,21 +142,22 @@ def _plan_for(args, features, max_bs, split_tokens, return_lse, one_launch=True,
     if plan is not None:
         _PLANS.move_to_end(key)
         if isinstance(plan, VerifyPlan):
-            plan.rebind(qo, kvp, kvi, cm, mi, sinks, kv_last_page_len, offsets)
+            # The key holds every tensor's device and dtype: the plan need not check them again.
+            plan._rebind_same_signature(qo, kvp, kvi, cm, mi, sinks, kv_last_page_len, offsets)
         return plan
     reason = decline_reason(
         q, k, v, kb, vb, qo, kvp, kvi, cm, is_causal, mi, max_len_extend,
-        f["sliding_window_size"], sinks, f["logit_cap"], f["xai_temperature_len"],
-        skip_prefix_custom_mask=f["skip_prefix_custom_mask"], window_kv_offsets=offsets,
-        k_scale=k_scale, v_scale=v_scale, sm_scale=f["sm_scale"], o_extend=o,
+        window, sinks, logit_cap, xai_temperature_len,
+        skip_prefix_custom_mask=skip_prefix_custom_mask, window_kv_offsets=offsets,
+        k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale, o_extend=o,
         max_bs=max_bs, split_tokens=split_tokens, kv_last_page_len=kv_last_page_len,
     )
     if reason is None:
         runner = get_runner(q, k, v, max_len_extend, max_bs, split_tokens, one_launch)
-        plan = runner.plan(q, k, v, kb, vb, qo, kvp, kvi, cm, mi, is_causal, sm_scale=f["sm_scale"],
+        plan = runner.plan(q, k, v, kb, vb, qo, kvp, kvi, cm, mi, is_causal, sm_scale=sm_scale,
                            k_scale=k_scale, v_scale=v_scale, sinks=sinks, return_lse=return_lse,
-                           logit_cap=f["logit_cap"], sliding_window_size=f["sliding_window_size"],
-                           window_kv_offsets=offsets, xai_temperature_len=f["xai_temperature_len"],
+                           logit_cap=logit_cap, sliding_window_size=window,
+                           window_kv_offsets=offsets, xai_temperature_len=xai_temperature_len,
                            kv_last_page_len=kv_last_page_len)
     else:
         plan = reason
@@ -251,9 +256,8 @@ def verify_splitkv_fwd(
     """
     args = (q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
             custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale)
-    features = dict(sm_scale=sm_scale, logit_cap=logit_cap, skip_prefix_custom_mask=skip_prefix_custom_mask,
-                    sliding_window_size=sliding_window_size, sinks=sinks, window_kv_offsets=window_kv_offsets,
-                    xai_temperature_len=xai_temperature_len)
+    features = (sm_scale, logit_cap, skip_prefix_custom_mask, sliding_window_size, sinks, window_kv_offsets,
+                xai_temperature_len)
     bs = qo_indptr.shape[0] - 1 if isinstance(qo_indptr, torch.Tensor) else 0
     checking = _checking(check)
     plan = _plan_for(args, features, max(max_bs or 1, bs), split_tokens, False,
@@ -266,7 +270,8 @@ def verify_splitkv_fwd(
         return False
     if checking:
         _check_values(args, kv_last_page_len)
-    plan.run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out=o_extend)
+    # The plan's cache key fixed the tensors' devices and dtypes: launch without checking them again.
+    plan._run(q_extend, k_extend, v_extend, k_buffer, v_buffer, o_extend, o_extend)
     plan.release()
     return True
 
@@ -348,11 +353,8 @@ def verify_attention(
     )
     if _checking(check):
         _check_values(args, kv_last_page_len)
-    features = dict(
-        sm_scale=sm_scale, logit_cap=logit_cap, skip_prefix_custom_mask=skip_prefix_custom_mask,
-        sliding_window_size=sliding_window_size, sinks=sinks,
-        window_kv_offsets=window_kv_offsets, xai_temperature_len=xai_temperature_len,
-    )
+    features = (sm_scale, logit_cap, skip_prefix_custom_mask, sliding_window_size, sinks, window_kv_offsets,
+                xai_temperature_len)
     plan = _plan_for(args, features, max(max_bs or 1, dims.batch_size), split_tokens, bool(return_lse),
                      one_launch, kv_last_page_len)
     if isinstance(plan, VerifyPlan):
@@ -367,5 +369,5 @@ def verify_attention(
         page_size = k_buffer.shape[1]
         tok_indptr, tok_indices = token_indices(kv_indptr, kv_indices, kv_last_page_len, page_size)
         args = args[:4] + (flat_pool(k_buffer), flat_pool(v_buffer), qo_indptr, tok_indptr, tok_indices) + args[9:]
-    extend_attention_fwd(*args, **features)
+    extend_attention_fwd(*args, *features)  # the features tuple follows its keyword order
     return o_extend

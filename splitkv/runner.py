@@ -476,7 +476,9 @@ class VerifyPlan:
         #: the device index (-1 for the CPU) every tensor of a run must report: the launch
         #: passes addresses, not tensors (see ``run``), so nothing downstream would check it
         self._dev_index = q_extend.get_device()
-        self._devices = (self._dev_index,) * 7
+        #: what every run's layer tensors must report: 7 devices (q, k, v, pools, out, lse), then 5 dtypes
+        #: (q, k, v, pools; the output's is free: a context-parallel shard writes float32 partials)
+        self._layer = (self._dev_index,) * 7 + (q_extend.dtype,) * 3 + (k_buffer.dtype,) * 2
         # Bound metadata: the same tensors every run (their values may change).
         self._bind(qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sinks,
                    kv_last_page_len, window_kv_offsets)
@@ -497,6 +499,8 @@ class VerifyPlan:
             *pool_strides(k_buffer), *pool_strides(v_buffer),
         )
         self._set_scalars(kv_len, custom_mask)
+        #: stands for the partials and counters of a one-slice call (typed float32, never read)
+        self._placeholder = torch.empty(1, dtype=torch.float32, device=self.device)
         constexprs = dict(
             NUM_Q_HEADS=r.num_q_heads,
             GROUP=r.num_q_heads // r.num_kv_heads,
@@ -546,6 +550,8 @@ class VerifyPlan:
         rows = self._tiles * self.n_splits * self.config.block_m
         self.scratch_bytes = 0 if self.n_splits == 1 else rows * (r.v_head_dim + 1) * 4
         self._part_rows = rows
+        #: where the partial LSEs start in the scratch, after the partial outputs
+        self._lse_offset = 0 if self.n_splits == 1 else rows * r.v_head_dim
         if r.workspace is not None and self.n_splits > 1 and rows * (r.v_head_dim + 1) > r._ws_parts.numel():
             raise ValueError("the workspace is too small for this call's slices")
 
@@ -592,12 +598,15 @@ class VerifyPlan:
         )
         if scalars != getattr(self, "_scalars", None):
             self._scalars = scalars
-            # What the compiled kernel is specialised on among the plan's integers; run() adds the
-            # rest (dtypes, output strides, alignment) to its launch key.
-            self._spec = _specialization(scalars + self._strides)
+            self._tail = scalars + self._strides
+            # What the compiled kernel is specialised on among the plan's integers (the scratch's
+            # LSE offset only by its width); run() adds the rest (dtypes, output strides,
+            # alignment) to its launch key.
+            self._spec = (_specialization(self._tail), self._lse_offset < 2**31)
 
     def _bind(self, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sinks,
-              kv_last_page_len, window_kv_offsets) -> None:
+              kv_last_page_len, window_kv_offsets, check: bool = True) -> None:
+        """Hold this step's metadata tensors and their addresses (``check``: their devices too)."""
         use_mask = custom_mask is not None
         # Placeholders (kv_indptr, qo_indptr) stand for absent tensors: never read.
         m = (
@@ -608,12 +617,19 @@ class VerifyPlan:
             window_kv_offsets if use_mask and window_kv_offsets is not None else kv_indptr,
             sinks if sinks is not None else qo_indptr,
         )
-        if (m[0].get_device(), m[1].get_device(), m[2].get_device(), m[3].get_device(), m[4].get_device(),
-                m[5].get_device(), m[6].get_device(), m[7].get_device()) != self._devices[:1] * 8:
-            raise ValueError(f"metadata tensors must be on the plan's device, {self.device}")
-        self._meta = m
-        self._meta_dtypes = (m[0].dtype, m[1].dtype, m[2].dtype, m[3].dtype, m[4].dtype, m[5].dtype, m[6].dtype,
-                             m[7].dtype)
+        if check:
+            if (m[0].get_device(), m[1].get_device(), m[2].get_device(), m[3].get_device(), m[4].get_device(),
+                    m[5].get_device(), m[6].get_device(), m[7].get_device()) != (self._dev_index,) * 8:
+                raise ValueError(f"metadata tensors must be on the plan's device, {self.device}")
+            dtypes = (m[0].dtype, m[1].dtype, m[2].dtype, m[3].dtype, m[4].dtype, m[5].dtype, m[6].dtype, m[7].dtype)
+        else:  # the caller knows the dtypes are the last bind's
+            dtypes = self._static_key[1]
+        ptrs = (m[0].data_ptr(), m[1].data_ptr(), m[2].data_ptr(), m[3].data_ptr(), m[4].data_ptr(),
+                m[5].data_ptr(), m[6].data_ptr(), m[7].data_ptr())
+        self._meta, self._meta_ptrs = m, ptrs
+        # What the compiled kernel is specialised on that is fixed per bind: the inputs' and the
+        # metadata's dtypes, the metadata's 16-byte alignment.
+        self._static_key = (self._layer[7:], dtypes, alignment_bits(ptrs))
 
     def rebind(self, qo_indptr, kv_indptr, kv_indices, custom_mask=None, mask_indptr=None, sinks=None,
                kv_last_page_len=None, window_kv_offsets=None) -> None:
@@ -632,7 +648,17 @@ class VerifyPlan:
         """
         self._bind(qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sinks,
                    kv_last_page_len, window_kv_offsets)
-        kv_len = kv_indices.shape[0]
+        self._resize(kv_indices.shape[0], custom_mask)
+
+    def _rebind_same_signature(self, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sinks,
+                               kv_last_page_len, window_kv_offsets) -> None:
+        """:meth:`rebind` for a caller that has checked the tensors' devices and dtypes
+        against the plan's (the drop-in: they are part of its cache key)."""
+        self._bind(qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sinks,
+                   kv_last_page_len, window_kv_offsets, check=False)
+        self._resize(kv_indices.shape[0], custom_mask)
+
+    def _resize(self, kv_len: int, custom_mask) -> None:
         if kv_len != self.kv_len:
             kind = self._launch_kind()
             self._size(kv_len)
@@ -642,7 +668,7 @@ class VerifyPlan:
 
     def release(self) -> None:
         """Drop the references to the bound metadata (a cached plan between rebinds)."""
-        self._meta = None
+        self._meta = self._meta_ptrs = None
 
     def run(self, q_extend, k_extend, v_extend, k_buffer, v_buffer, out=None, lse=None):
         """Launch for one layer's tensors (same shapes, dtypes and strides as planned).
@@ -658,59 +684,79 @@ class VerifyPlan:
             ``out``, or ``(out, lse)`` when the plan has ``return_lse``.
 
         Raises:
-            ValueError: for a tensor on another device than the plan's.
+            ValueError: for a tensor on another device than the plan's, or of
+                another dtype than planned.
+            RuntimeError: after :meth:`release`, until the next :meth:`rebind`.
         """
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         if self.return_lse and lse is None:
             lse = torch.empty(self.out_shape[:2], dtype=torch.float32, device=self.device)
+        lse_arg = lse if lse is not None else out
+        # The launch passes addresses, not tensors: nothing downstream would check the devices.
+        if (q_extend.get_device(), k_extend.get_device(), v_extend.get_device(), k_buffer.get_device(),
+                v_buffer.get_device(), out.get_device(), lse_arg.get_device(), q_extend.dtype, k_extend.dtype,
+                v_extend.dtype, k_buffer.dtype, v_buffer.dtype) != self._layer:
+            self._refuse(q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg)
+        if self._meta is None:
+            raise RuntimeError("this plan was released: rebind() it to a step's metadata first")
+        self._run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg)
+        return (out, lse) if self.return_lse else out
+
+    def _new_partials(self) -> torch.Tensor:
+        """This run's float32 partials from the caching allocator: outputs, then LSEs (at ``_lse_offset``)."""
+        return self._placeholder.new_empty(self._part_rows * (self.runner.v_head_dim + 1))
+
+    def _refuse(self, *layer) -> None:
+        names = ("q_extend", "k_extend", "v_extend", "k_buffer", "v_buffer", "out", "lse")
+        for name, t, dev in zip(names, layer, self._layer):
+            if t.get_device() != dev:
+                raise ValueError(f"run() takes tensors on the plan's device, {self.device}; {name} is on {t.device}")
+        for name, t, dtype in zip(names, layer, self._layer[7:]):
+            if t.dtype != dtype:
+                raise ValueError(f"run() takes tensors of the planned dtypes; {name} is {t.dtype}, planned {dtype}")
+
+    def _run(self, q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg) -> None:
+        """Launch, for tensors whose devices and dtypes are the plan's (``lse_arg``: ``out`` without LSE)."""
         r = self.runner
         stream = torch._C._cuda_getCurrentRawStream(self._dev_index) if self._dev_index >= 0 else None
+        lse_offset = self._lse_offset
         if self.n_splits == 1:
-            # One slice: no partials, no counters; typed placeholders, never read.
-            parts = cnt = torch.empty(1, dtype=torch.float32, device=self.device)
-            lse_offset = 0
+            # One slice: no partials, no counters.
+            parts = cnt = self._placeholder
         elif r.workspace is not None:
             parts, cnt = r._ws_parts, r._ws_counters
-            lse_offset = self._part_rows * r.v_head_dim
         else:
-            parts = torch.empty(self._part_rows * (r.v_head_dim + 1), dtype=torch.float32, device=self.device)
+            parts = self._new_partials()
             cnt = (counters(self.device, self._tiles, None if stream is None else (self._dev_index, stream))
                    if self.fused else parts)  # only the one-launch merge counts
             if cnt is None:  # a new stream inside a capture and no zeroed counters left: merge in a second launch
                 self._pick_launchers(spread=True)
                 cnt = parts
-            lse_offset = self._part_rows * r.v_head_dim
-        lse_arg = lse if lse is not None else out
-        layer = (q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg)
-        if (q_extend.get_device(), k_extend.get_device(), v_extend.get_device(), k_buffer.get_device(),
-                v_buffer.get_device(), out.get_device(), lse_arg.get_device()) != self._devices:
-            raise ValueError(f"run() takes tensors on the plan's device, {self.device}")
-        meta = self._meta
-        tensors = (*layer, *meta, parts, cnt)
         # The addresses serve twice: the launch key's alignment bits, and the launch itself
-        # (Launcher.run_ptrs: Triton would otherwise ask the driver about each one again).
-        ptrs = [t.data_ptr() for t in tensors]
+        # (Launcher.run_ptrs: Triton would otherwise ask the driver about each tensor again).
+        # The metadata's were taken when it was bound.
+        p_q, p_k, p_v, p_kb, p_vb, p_o, p_lse, p_parts, p_cnt = (
+            q_extend.data_ptr(), k_extend.data_ptr(), v_extend.data_ptr(), k_buffer.data_ptr(), v_buffer.data_ptr(),
+            out.data_ptr(), lse_arg.data_ptr(), parts.data_ptr(), cnt.data_ptr())
         s_ot, s_oh = out.stride(0), out.stride(1)
-        key = (self._spec, self._meta_dtypes, q_extend.dtype, k_extend.dtype, v_extend.dtype, k_buffer.dtype, v_buffer.dtype,
-               out.dtype, s_ot, s_oh, lse_offset < 2**31, alignment_bits(ptrs))
-        tail = (*self._scalars, *self._strides, s_ot, s_oh)
-        if not self._launch.run_ptrs(key, self.grid, (*ptrs[:16], lse_offset, ptrs[16], *tail), stream):
-            self._launch(self.grid, (*tensors[:16], lse_offset, cnt, *tail), stream, key)  # compiles if needed
+        key = (self._spec, self._static_key, out.dtype, s_ot, s_oh,
+               alignment_bits((p_q, p_k, p_v, p_kb, p_vb, p_o, p_lse, p_parts, p_cnt)))
+        meta = self._meta_ptrs
+        if not self._launch.run_ptrs(key, self.grid, (p_q, p_k, p_v, p_kb, p_vb, p_o, p_lse, *meta, p_parts,
+                                                      lse_offset, p_cnt, *self._tail, s_ot, s_oh), stream):
+            self._launch(self.grid, (q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg, *self._meta,
+                                     parts, lse_offset, cnt, *self._tail, s_ot, s_oh), stream, key)  # compiles
         if self._merge is not None:
-            # scalars: 4 scales, num_tokens, pool_tokens, kv_len, mask_len, n_splits, min_split, window, xai_len.
-            # Its arguments are a subset of the verify launch's: the same key fixes their specialisation.
-            # Pointers, as above: out, lse, qo_indptr, kv_indptr, last-page lengths, sinks, partials.
+            # Arguments: out, lse, qo_indptr, kv_indptr, last-page lengths, sinks, partials, then the
+            # scalars num_tokens, kv_len, n_splits, min_split, window and the output strides. A subset
+            # of the verify launch's: the same key fixes their specialisation.
             sc = self._scalars
             tail = (lse_offset, sc[4], sc[6], sc[8], sc[9], sc[10], s_ot, s_oh)
-            if not self._merge.run_ptrs(key, self._merge_grid, (*[ptrs[i] for i in _MERGE_PTRS], *tail), stream):
-                self._merge(self._merge_grid, (*[tensors[i] for i in _MERGE_PTRS], *tail), stream, key)
-        return (out, lse) if self.return_lse else out
-
-
-#: Positions in ``VerifyPlan.run``'s tensors of the merge kernel's pointer arguments:
-#: out, lse, qo_indptr, kv_indptr, last-page lengths, sinks, partials.
-_MERGE_PTRS = (5, 6, 7, 8, 10, 14, 15)
+            if not self._merge.run_ptrs(key, self._merge_grid,
+                                        (p_o, p_lse, meta[0], meta[1], meta[3], meta[7], p_parts, *tail), stream):
+                m = self._meta
+                self._merge(self._merge_grid, (out, lse_arg, m[0], m[1], m[3], m[7], parts, *tail), stream, key)
 
 
 def mean_prefix(kv_len: int, page_size: int, batch_size: int) -> int:

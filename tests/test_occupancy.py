@@ -240,18 +240,17 @@ def _slice_state(p, b, h, lo, hi, with_draft):
 def _run_default_scratch_poisoned(plan, p, monkeypatch):
     """Run ``plan`` with its default per-call scratch, catching that scratch and poisoning it with NaN."""
     caught = []
-    real_empty = torch.empty
     size = plan.grid[0] * plan.n_splits * plan.config.block_m * (p.v_head_dim + 1)
+    real_new = type(plan)._new_partials
 
-    def empty(*shape, **kwargs):
-        t = real_empty(*shape, **kwargs)
-        if t.dtype == torch.float32 and t.dim() == 1 and t.numel() == size:
-            t.fill_(float("nan"))
-            caught.append(t)
+    def new_partials(self):
+        t = real_new(self)
+        assert t.dtype == torch.float32 and t.shape == (size,)
+        caught.append(t.fill_(float("nan")))
         return t
 
     with monkeypatch.context() as m:
-        m.setattr(torch, "empty", empty)
+        m.setattr(type(plan), "_new_partials", new_partials)
         out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
     assert len(caught) == 1, "the run did not allocate its partials as expected"
     return out, caught[0]

@@ -331,6 +331,26 @@ def test_drop_in_rebinds_from_one_slice_to_several_and_back():
         assert last_plan().n_splits == -(-prefix // MIN_SPLIT)
 
 
+def test_plan_refuses_other_dtypes_and_runs_after_release_only_once_rebound():
+    """run() launches with addresses, so it checks what the compiled kernel assumes: the
+    inputs' dtypes are the planned ones (the output's is free), and the bound metadata is there."""
+    p = make_problem([97, 54], [3, 1], 4, 2, 32, device=DEVICE, seed=11)
+    runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
+                           p.batch_size, DEVICE, n_splits=3)
+    plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
+                       p.kv_indices, sm_scale=p.sm_scale)
+    layer = (p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer)
+    with pytest.raises(ValueError, match="k_buffer is torch.float32, planned torch.float16"):
+        plan.run(*layer[:3], p.k_buffer.float(), p.v_buffer, out=p.new_output())
+    wide = torch.full(p.new_output().shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    assert_matches_reference(plan.run(*layer, out=wide).to(p.q_extend.dtype), p)  # a float32 output is served
+    plan.release()
+    with pytest.raises(RuntimeError, match="rebind"):
+        plan.run(*layer, out=p.new_output())
+    plan.rebind(p.qo_indptr, p.kv_indptr, p.kv_indices)
+    assert_matches_reference(plan.run(*layer, out=p.new_output()), p)
+
+
 def test_runner_grows_in_place_and_outgrown_counters_stay():
     """A larger max_bs raises the cached runner's bound (nothing is sized by it); counter arrays
     that are outgrown stay referenced (CUDA graphs captured with them keep valid addresses)."""
