@@ -57,8 +57,8 @@ def clear_caches() -> None:
 
 
 def _checking(check: Optional[bool]) -> bool:
-    if check is None:  # ("in" first: a missing key costs os.environ.get a raised KeyError)
-        check = "SPLITKV_CHECK" in os.environ and os.environ["SPLITKV_CHECK"] not in ("", "0")
+    if check is None:
+        check = os.environ.get("SPLITKV_CHECK", "0") not in ("", "0")
     return bool(check) and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
