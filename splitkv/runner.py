@@ -499,8 +499,6 @@ class VerifyPlan:
             *pool_strides(k_buffer), *pool_strides(v_buffer),
         )
         self._set_scalars(kv_len, custom_mask)
-        #: stands for the partials and counters of a one-slice call (typed float32, never read)
-        self._placeholder = torch.empty(1, dtype=torch.float32, device=self.device)
         constexprs = dict(
             NUM_Q_HEADS=r.num_q_heads,
             GROUP=r.num_q_heads // r.num_kv_heads,
@@ -705,7 +703,7 @@ class VerifyPlan:
 
     def _new_partials(self) -> torch.Tensor:
         """This run's float32 partials from the caching allocator: outputs, then LSEs (at ``_lse_offset``)."""
-        return self._placeholder.new_empty(self._part_rows * (self.runner.v_head_dim + 1))
+        return torch.empty(self._part_rows * (self.runner.v_head_dim + 1), dtype=torch.float32, device=self.device)
 
     def _refuse(self, *layer) -> None:
         names = ("q_extend", "k_extend", "v_extend", "k_buffer", "v_buffer", "out", "lse")
@@ -722,8 +720,9 @@ class VerifyPlan:
         stream = torch._C._cuda_getCurrentRawStream(self._dev_index) if self._dev_index >= 0 else None
         lse_offset = self._lse_offset
         if self.n_splits == 1:
-            # One slice: no partials, no counters.
-            parts = cnt = self._placeholder
+            # One slice: no partials, no counters. The kernels never dereference them: null
+            # addresses, and a float32 placeholder for the launch that compiles (below).
+            parts = cnt = None
         elif r.workspace is not None:
             parts, cnt = r._ws_parts, r._ws_counters
         else:
@@ -736,15 +735,18 @@ class VerifyPlan:
         # The addresses serve twice: the launch key's alignment bits, and the launch itself
         # (Launcher.run_ptrs: Triton would otherwise ask the driver about each tensor again).
         # The metadata's were taken when it was bound.
-        p_q, p_k, p_v, p_kb, p_vb, p_o, p_lse, p_parts, p_cnt = (
+        p_q, p_k, p_v, p_kb, p_vb, p_o, p_lse = (
             q_extend.data_ptr(), k_extend.data_ptr(), v_extend.data_ptr(), k_buffer.data_ptr(), v_buffer.data_ptr(),
-            out.data_ptr(), lse_arg.data_ptr(), parts.data_ptr(), cnt.data_ptr())
+            out.data_ptr(), lse_arg.data_ptr())
+        p_parts, p_cnt = (0, 0) if parts is None else (parts.data_ptr(), cnt.data_ptr())
         s_ot, s_oh = out.stride(0), out.stride(1)
         key = (self._spec, self._static_key, out.dtype, s_ot, s_oh,
                alignment_bits((p_q, p_k, p_v, p_kb, p_vb, p_o, p_lse, p_parts, p_cnt)))
         meta = self._meta_ptrs
         if not self._launch.run_ptrs(key, self.grid, (p_q, p_k, p_v, p_kb, p_vb, p_o, p_lse, *meta, p_parts,
                                                       lse_offset, p_cnt, *self._tail, s_ot, s_oh), stream):
+            if parts is None:  # held by no one past this call (a plan may be made inside a graph's pool)
+                parts = cnt = torch.empty(1, dtype=torch.float32, device=self.device)
             self._launch(self.grid, (q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg, *self._meta,
                                      parts, lse_offset, cnt, *self._tail, s_ot, s_oh), stream, key)  # compiles
         if self._merge is not None:
@@ -755,6 +757,8 @@ class VerifyPlan:
             tail = (lse_offset, sc[4], sc[6], sc[8], sc[9], sc[10], s_ot, s_oh)
             if not self._merge.run_ptrs(key, self._merge_grid,
                                         (p_o, p_lse, meta[0], meta[1], meta[3], meta[7], p_parts, *tail), stream):
+                if parts is None:
+                    parts = torch.empty(1, dtype=torch.float32, device=self.device)
                 m = self._meta
                 self._merge(self._merge_grid, (out, lse_arg, m[0], m[1], m[3], m[7], parts, *tail), stream, key)
 
