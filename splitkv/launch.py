@@ -25,7 +25,7 @@ can also hand the tensors over as their addresses (:meth:`Launcher.run_ptrs`):
 given a tensor, Triton's launcher calls its ``data_ptr`` and then asks the
 driver whether the address is device memory (``cuPointerGetAttribute``), once
 per tensor and launch; the plan has the addresses already (it needed them
-for the alignment) and checked the devices when it was made. Launch hooks
+for the alignment) and checks the devices itself. Launch hooks
 that are registered but empty (Triton >= 3.5 keeps them in a chain) are not
 called.
 
