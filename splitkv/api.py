@@ -369,5 +369,7 @@ def verify_attention(
         page_size = k_buffer.shape[1]
         tok_indptr, tok_indices = token_indices(kv_indptr, kv_indices, kv_last_page_len, page_size)
         args = args[:4] + (flat_pool(k_buffer), flat_pool(v_buffer), qo_indptr, tok_indptr, tok_indices) + args[9:]
-    extend_attention_fwd(*args, *features)  # the features tuple follows its keyword order
+    extend_attention_fwd(*args, sm_scale=sm_scale, logit_cap=logit_cap, skip_prefix_custom_mask=skip_prefix_custom_mask,
+                         sliding_window_size=sliding_window_size, sinks=sinks, window_kv_offsets=window_kv_offsets,
+                         xai_temperature_len=xai_temperature_len)
     return o_extend
