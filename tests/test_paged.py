@@ -21,9 +21,10 @@ EXTENDS = [4, 2, 3, 1]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("page_size", [1, 3, 16, 64])
+@pytest.mark.parametrize("page_size", [1, 3, 4, 16, 64])
 def test_paged_matches_oracle(page_size, dtype):
-    """Page sizes below, equal to and above the key tile (one index load per tile when a page holds it)."""
+    """Page sizes below the key tile (one index load per key; per page where pages divide the tile),
+    equal to it and above it (one index load per tile)."""
     p = make_problem(PREFIXES, EXTENDS, 4, 2, 32, dtype=dtype, device=DEVICE, seed=2, mask="tree", sinks=True)
     pp = paged_problem(p, page_size, seed=1)
     out = p.new_output()
