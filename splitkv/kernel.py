@@ -80,8 +80,15 @@ PAGE_SIZE]``, and the prefix is ``(pages - 1) * PAGE_SIZE + last_page_len``
 keys. Key tiles start at multiples of ``BLOCK_N``, so where ``PAGE_SIZE`` is
 a multiple of ``BLOCK_N`` a tile lies in one page: one page-id load per tile
 instead of one slot load per key; where ``PAGE_SIZE`` divides ``BLOCK_N`` (up
-to 64) a tile is whole pages: one load per page. Scratch (float32) is per
-tile and slice, so the merging program reads one block::
+to 64) a tile is whole pages: one load per page. Gather offsets (slot x stride +
+head + column) are 32-bit where every element of both pools lies below 2^31
+(``OFFSETS_32``, which the plan reads off the pools' shapes and strides),
+64-bit otherwise; a slot or page id is bounds-checked before it is narrowed.
+The 32-bit form needs fewer registers and instructions per gathered row
+(Qwen3-Next on the H200, batch 8 / 64k: 4 % faster from a token pool).
+
+Scratch (float32) is per tile and slice, so the merging program reads one
+block::
 
     part_o  [tiles, n_splits, BLOCK_M, V_HEAD_DIM]
     part_lse[tiles, n_splits, BLOCK_M]            (base 2)
@@ -272,6 +279,15 @@ def _merge_rows(Part_O, Part_LSE, first, n_used, r, row_ok, offs_dv, dv_ok,
     return acc, m, den
 
 
+@triton.jit
+def _pool_offset(index, OFFSETS_32: tl.constexpr):
+    """A pool slot or page id (already bounds-checked) in the width of the gather's offset arithmetic."""
+    if OFFSETS_32:
+        return index.to(tl.int32)
+    else:
+        return index.to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["lse_offset", "num_tokens", "pool_tokens", "kv_len", "mask_len", "n_splits",
                                "min_split", "window", "xai_len"])
 def _verify_kernel(
@@ -309,6 +325,7 @@ def _verify_kernel(
     BLOCK_DV: tl.constexpr,
     K_ROWS: tl.constexpr,  # load K as [BLOCK_N, D] rows (like V) and transpose it for the dot
     PAGE_SIZE: tl.constexpr,  # 1: token pool (kv_indices are slots); else kv_indices are page ids
+    OFFSETS_32: tl.constexpr,  # every pool element's offset fits int32: gather addresses in 32-bit arithmetic
     SPLIT_TOKENS: tl.constexpr,  # > 0: fixed slice length (batch-invariant mode)
     USE_MASK: tl.constexpr,  # draft visibility from custom_mask
     HAS_MASK_OFFSETS: tl.constexpr,  # window_kv_offsets shift each sequence's mask columns
@@ -378,14 +395,15 @@ def _verify_kernel(
             # Gather. Token pool: key n is row kv_indices[kv_start + n]. Paged pool:
             # key n is row n % PAGE_SIZE of page kv_indices[kv_start + n // PAGE_SIZE].
             if PAGE_SIZE == 1:
-                slot = tl.load(kv_indices + kv_start + offs_n, mask=n_ok, other=0).to(tl.int64)
+                slot = tl.load(kv_indices + kv_start + offs_n, mask=n_ok, other=0)
                 n_ok = n_ok & (slot >= 0) & (slot < pool_tokens)
+                slot = _pool_offset(slot, OFFSETS_32)
                 k_row = slot * stride_kbt
                 v_row = slot * stride_vbt
             else:
                 if PAGE_SIZE % BLOCK_N == 0:
                     # Tiles start at multiples of BLOCK_N: the whole tile is in one page.
-                    page = tl.load(kv_indices + kv_start + start // PAGE_SIZE).to(tl.int64)
+                    page = tl.load(kv_indices + kv_start + start // PAGE_SIZE)
                     n_ok = n_ok & ((offs_n * 0 + page) >= 0) & ((offs_n * 0 + page) < pool_tokens)
                 elif BLOCK_N <= 64 and BLOCK_N % PAGE_SIZE == 0:
                     # The tile is BLOCK_N // PAGE_SIZE whole pages: one page-id load per page,
@@ -394,12 +412,13 @@ def _verify_kernel(
                     # (Qwen3-Next 337 -> 287 us), but 1.10-1.17x at BLOCK_N 128 (Llama-3-8B,
                     # Qwen3-32B), which therefore keep one load per key.
                     pg = start // PAGE_SIZE + tl.arange(0, BLOCK_N // PAGE_SIZE)
-                    pages = tl.load(kv_indices + kv_start + pg, mask=pg * PAGE_SIZE < hi, other=0).to(tl.int64)
+                    pages = tl.load(kv_indices + kv_start + pg, mask=pg * PAGE_SIZE < hi, other=0)
                     page = tl.reshape(tl.broadcast_to(pages[:, None], (BLOCK_N // PAGE_SIZE, PAGE_SIZE)), (BLOCK_N,))
                     n_ok = n_ok & (page >= 0) & (page < pool_tokens)
                 else:
-                    page = tl.load(kv_indices + kv_start + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+                    page = tl.load(kv_indices + kv_start + offs_n // PAGE_SIZE, mask=n_ok, other=0)
                     n_ok = n_ok & (page >= 0) & (page < pool_tokens)
+                page = _pool_offset(page, OFFSETS_32)
                 in_page = offs_n % PAGE_SIZE
                 k_row = page * stride_kbt + in_page * stride_kbr
                 v_row = page * stride_vbt + in_page * stride_vbr

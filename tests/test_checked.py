@@ -38,6 +38,9 @@ TABLE = [
     _case("slot -5 (int64)", [("kv_indices", 5, -5)], expect="absent", match=r"sequence 0: kv_indices\[5\] = -5"),
     _case("slot -5 (int32)", [("kv_indices", 5, -5)], index_dtype="int32", expect="absent",
           match=r"sequence 0: kv_indices\[5\] = -5"),
+    # Bounds are checked before a slot is narrowed to the gather's 32-bit offsets: 2**32 + 5 is not slot 5.
+    _case("slot 2**32 + 5 (int64)", [("kv_indices", 43, 2**32 + 5)], expect="absent",
+          match=r"sequence 1: kv_indices\[43\] = 4294967301"),
     _case("kv_indptr [0, 40, 30]", [("kv_indptr", None, [0, 40, 30])], expect=[0],
           match=r"sequence 1: kv_indptr decreases \(40 -> 30\)"),
     _case("qo_indptr [0, 6, 4]", [("qo_indptr", None, [0, 6, 4])], expect=[0],

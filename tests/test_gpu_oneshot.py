@@ -4,21 +4,22 @@ CUDA-graph replay while prefix lengths change under a fixed-size kv_indices
 buffer (to 0, to longer than at capture), a caller-owned workspace under
 graphs, two streams at once, bitwise repeatability over 100 calls, a launch
 of more than 65536 tiles, fp8 e5m2 pools, pools whose row stride exceeds
-H_KV x D, and a 10,000-replay stress run with changing batch composition
+H_KV x D, pools past 2^31 elements (64-bit gather offsets), and a 10,000-replay stress run with changing batch composition
 (GPU memory flat, sampled outputs against the oracle).
 
 Skipped without CUDA. Run on the H200 with ``pytest -m gpu``.
 """
 
+import dataclasses
 import gc
 import random
 
 import pytest
 import torch
 
-from conftest import CUDA, all_counters_zero, assert_close, assert_matches_reference, gpu
+from conftest import CUDA, all_counters_zero, assert_close, assert_matches_reference, gpu, last_plan
 from splitkv import VerifySplitKV, verify_splitkv_fwd, workspace_bytes
-from splitkv.testing import MODEL_SHAPES, make_problem, reference_attention, reference_for
+from splitkv.testing import MODEL_SHAPES, make_problem, paged_problem, reference_attention, reference_for
 from splitkv.testing.graphs import capture_graph
 
 pytestmark = [gpu, pytest.mark.gpu]
@@ -231,6 +232,38 @@ def test_non_contiguous_pool(layout):
     assert verify_splitkv_fwd(*q.args(out), **q.kwargs())
     torch.cuda.synchronize()
     assert_matches_reference(out, p)
+
+
+@pytest.mark.parametrize("page_size", [1, 16], ids=["token-pool", "pages-of-16"])
+def test_pool_past_2_31_elements(page_size):
+    """Pools of 2^21 + 2^16 slots x 8 KV heads x 128 (2.2 G elements, 4.4 GB each, NaN): past 32-bit
+    offsets, so the plan gathers with 64-bit ones; the problem's rows are copied to the pool's end,
+    where a wrapped 32-bit offset would read NaN or another row."""
+    p = model_problem("llama3-8b", [5000, 0, 777, 3000], sinks=True, pool_factor=1.0)
+    src = paged_problem(p, page_size, seed=2) if page_size > 1 else p
+    small_k = src.k_pages if page_size > 1 else src.k_buffer
+    small_v = src.v_pages if page_size > 1 else src.v_buffer
+    entries = (2**21 + 2**16) // page_size
+    shift = entries - small_k.shape[0]
+
+    def big(t):
+        out = torch.full((entries, *t.shape[1:]), float("nan"), dtype=t.dtype, device="cuda")
+        out[shift:] = t
+        return out
+
+    kb, vb = big(small_k), big(small_v)
+    indices = src.kv_indices.to(torch.int64) + shift
+    if page_size > 1:
+        q = dataclasses.replace(src, k_pages=kb, v_pages=vb, kv_indices=indices)
+    else:
+        q = src.replace(k_buffer=kb, v_buffer=vb, kv_indices=indices)
+    out = p.new_output()
+    assert verify_splitkv_fwd(*q.args(out), **q.kwargs())
+    assert not last_plan().offsets_32
+    torch.cuda.synchronize()
+    assert_matches_reference(out, p)
+    del kb, vb, q
+    torch.cuda.empty_cache()
 
 
 # --- stress ----------------------------------------------------------------------

@@ -35,6 +35,42 @@ def test_paged_matches_oracle(page_size, dtype):
     assert all_counters_zero()
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("page_size", [1, 3, 4, 16])
+def test_64_bit_gather_offsets_give_the_same_bits(page_size, index_dtype, monkeypatch):
+    """Pools past 2^31 elements gather with 64-bit offsets (``OFFSETS_32``): forced here on a small
+    pool, every index-load branch (per key, per page, per tile) gives the 32-bit path's bits."""
+    from splitkv import clear_caches, runner
+
+    p = make_problem(PREFIXES, EXTENDS, 4, 2, 32, dtype=DTYPES[0], device=DEVICE, seed=6, index_dtype=index_dtype)
+    pp = paged_problem(p, page_size, seed=3) if page_size > 1 else p
+    outs = []
+    for limit in (runner.OFFSETS_32_LIMIT, 0):
+        monkeypatch.setattr(runner, "OFFSETS_32_LIMIT", limit)
+        clear_caches()
+        out = p.new_output()
+        assert verify_splitkv_fwd(*pp.args(out), **pp.kwargs())
+        assert last_plan().offsets_32 == (limit > 0)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert_matches_reference(outs[1], p)
+
+
+def test_offset_width_follows_the_pool_extent():
+    """32-bit offsets exactly while the pool's last element lies below 2^31 (shapes only: meta tensors)."""
+    from splitkv.runner import pool_offsets_32
+
+    # Llama-3-8B rows (8 x 128 = 1024 elements): 2^21 slots end at element 2^31 - 1.
+    assert pool_offsets_32(torch.empty(2**21, 8, 128, device="meta"))
+    assert not pool_offsets_32(torch.empty(2**21 + 1, 8, 128, device="meta"))
+    # Pages of 16 of such rows, and a pool strided inside a fused K/V buffer (its stride counts, not its width).
+    assert pool_offsets_32(torch.empty(2**17, 16, 8, 128, device="meta"))
+    assert not pool_offsets_32(torch.empty(2**17 + 1, 16, 8, 128, device="meta"))
+    fused = torch.empty(2**20 + 1, 2, 8, 128, device="meta")
+    assert not pool_offsets_32(fused[:, 0])
+    assert pool_offsets_32(fused[: 2**20, 0])
+
+
 @pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "spread-merge"])
 def test_paged_with_features_and_scales(one_launch):
     features = dict(sliding_window_size=2 * MIN_SPLIT + 5, logit_cap=3.0)
