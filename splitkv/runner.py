@@ -75,9 +75,11 @@ MERGE_ROWS, MERGE_DV = 4, 32
 #: Pools whose every element offset is below this gather in 32-bit address
 #: arithmetic (the kernel's ``OFFSETS_32``), larger ones in 64-bit. Measured on
 #: the H200 (bf16, batch 8 / 64k, CUDA-graph replays, 2026-12-01): Qwen3-Next
-#: (256-dim, 2 KV heads) 319.9 -> 307.2 us from a token pool, 274.2 -> 269.4 in
-#: pages of 64; the 128-dim models within 1 %. The kernel uses fewer registers
-#: (Qwen3-Next's token-pool tile 221 -> 201).
+#: (256-dim, 2 KV heads) in pages of 16 285.6 -> 275.5 us and of 64 275.4 ->
+#: 266.7 (``python -m splitkv.bench_breadth`` before and after); from a token
+#: pool 320.0 -> 317.8 there, 319.9 -> 307.2 in an A/B probe in one process;
+#: the 128-dim models within 2 %. The kernel uses fewer registers (Qwen3-Next's
+#: token-pool tile 221 -> 201).
 OFFSETS_32_LIMIT = 2**31
 
 
