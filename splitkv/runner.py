@@ -78,8 +78,8 @@ MERGE_ROWS, MERGE_DV = 4, 32
 #: (256-dim, 2 KV heads) in pages of 16 285.6 -> 275.5 us and of 64 275.4 ->
 #: 266.7 (``python -m splitkv.bench_breadth`` before and after); from a token
 #: pool 320.0 -> 317.8 there, 319.9 -> 307.2 in an A/B probe in one process;
-#: the 128-dim models within 1 % in the probe. The kernel uses fewer registers (Qwen3-Next's
-#: token-pool tile 221 -> 201).
+#: the 128-dim models within 1 % in the probe. The kernel uses fewer registers
+#: (Qwen3-Next's token-pool tile 221 -> 201).
 OFFSETS_32_LIMIT = 2**31
 
 

@@ -4,8 +4,9 @@ CUDA-graph replay while prefix lengths change under a fixed-size kv_indices
 buffer (to 0, to longer than at capture), a caller-owned workspace under
 graphs, two streams at once, bitwise repeatability over 100 calls, a launch
 of more than 65536 tiles, fp8 e5m2 pools, pools whose row stride exceeds
-H_KV x D, pools past 2^31 elements (64-bit gather offsets), and a 10,000-replay stress run with changing batch composition
-(GPU memory flat, sampled outputs against the oracle).
+H_KV x D, pools past 2^31 elements (64-bit gather offsets), and a
+10,000-replay stress run with changing batch composition (GPU memory flat,
+sampled outputs against the oracle).
 
 Skipped without CUDA. Run on the H200 with ``pytest -m gpu``.
 """
