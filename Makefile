@@ -55,7 +55,7 @@ demo: $(CORE_STAMP)
 ## Every test: unit/property tests, notebooks under nbval, the docs build and the browser check.
 test: $(ALL_STAMP)
 	$(BIN)/python -m pytest -q tests --ignore=tests/browser
-	$(BIN)/python -m pytest -q --nbval notebooks
+	$(BIN)/python -m pytest -q --nbval notebooks --nbval-sanitize-with notebooks/nbval_sanitize.cfg
 	$(BIN)/mkdocs build --strict --quiet
 	$(BIN)/python -m pytest -q tests/browser
 
