@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from conftest import DEVICE, DTYPES, MIN_SPLIT, all_counters_zero, assert_matches_reference, gate_args, last_plan
-from splitkv import VerifyPlan, VerifySplitKV, decline_reason, verify_attention, verify_splitkv_fwd
+from splitkv import VerifyPlan, VerifySplitKV, clear_caches, decline_reason, verify_attention, verify_splitkv_fwd
+from splitkv import runner as runner_module
+from splitkv.runner import pool_offsets_32
 from splitkv.testing import make_problem, paged_problem
 
 #: Several slices per sequence, one empty prefix, a prefix shorter than a page, ragged drafts.
@@ -40,13 +42,11 @@ def test_paged_matches_oracle(page_size, dtype):
 def test_64_bit_gather_offsets_give_the_same_bits(page_size, index_dtype, monkeypatch):
     """Pools past 2^31 elements gather with 64-bit offsets (``OFFSETS_32``): forced here on a small
     pool, every index-load branch (per key, per page, per tile) gives the 32-bit path's bits."""
-    from splitkv import clear_caches, runner
-
     p = make_problem(PREFIXES, EXTENDS, 4, 2, 32, dtype=DTYPES[0], device=DEVICE, seed=6, index_dtype=index_dtype)
     pp = paged_problem(p, page_size, seed=3) if page_size > 1 else p
     outs = []
-    for limit in (runner.OFFSETS_32_LIMIT, 0):
-        monkeypatch.setattr(runner, "OFFSETS_32_LIMIT", limit)
+    for limit in (runner_module.OFFSETS_32_LIMIT, 0):
+        monkeypatch.setattr(runner_module, "OFFSETS_32_LIMIT", limit)
         clear_caches()
         out = p.new_output()
         assert verify_splitkv_fwd(*pp.args(out), **pp.kwargs())
@@ -58,8 +58,6 @@ def test_64_bit_gather_offsets_give_the_same_bits(page_size, index_dtype, monkey
 
 def test_offset_width_follows_the_pool_extent():
     """32-bit offsets exactly while the pool's last element lies below 2^31 (shapes only: meta tensors)."""
-    from splitkv.runner import pool_offsets_32
-
     # Llama-3-8B rows (8 x 128 = 1024 elements): 2^21 slots end at element 2^31 - 1.
     assert pool_offsets_32(torch.empty(2**21, 8, 128, device="meta"))
     assert not pool_offsets_32(torch.empty(2**21 + 1, 8, 128, device="meta"))
