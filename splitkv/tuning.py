@@ -1,11 +1,13 @@
 """Launch settings measured on the H200: the table the kernel's tile choice reads.
 
 ``tuned_h200.json`` beside this file is written by ``python -m splitkv.tune``
-(a sweep over BLOCK_N, warps and pipeline stages, and over the split
-chooser's slice length, timed from CUDA graphs with ``do_bench``). It holds:
+(a sweep over BLOCK_N, warps, pipeline stages and the K tile's layout, and
+over the split chooser's slice length, timed from CUDA graphs with
+``do_bench``). It holds:
 
 * ``tiles``: per (widest head dim, BLOCK_M, pool bytes per element) the fastest
-  ``block_n``, ``num_warps``, ``num_stages`` and the programs per SM that the
+  ``block_n``, ``num_warps``, ``num_stages``, ``k_rows`` (see
+  :class:`splitkv.kernel.TileConfig`) and the programs per SM that the
   compiled kernel's registers and shared memory allow;
 * ``min_split_tokens``: the shortest prefix slice worth a program of its own;
 * ``small_batch_tiles``: per key, the tile for launches too small to fill
@@ -15,7 +17,10 @@ chooser's slice length, timed from CUDA graphs with ``do_bench``). It holds:
 * the device, date and software versions of the sweep.
 
 A key the sweep did not measure takes the nearest measured entry (same pool
-element size, then nearest head dim, then nearest BLOCK_M).
+element size, then nearest head dim, then nearest BLOCK_M) for its block
+sizes, warps and stages, and the K layout the kernel was written for
+(``k_rows=False``): the layout's effect does not carry over between tile
+shapes (see :func:`k_rows`).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Dict, Tuple
 from .checks import interpreting
 
 __all__ = ["TUNED", "tuned_tile", "programs_per_sm", "min_split_tokens", "small_batch_tile", "TABLE_PATH",
-           "SMALL_BATCH_SMS_PER_TILE", "SMALL_BATCH_MAX_PREFIX", "k_rows", "K_ROWS_MIN_HEAD_DIM", "K_ROWS_MIN_BLOCK_M"]
+           "SMALL_BATCH_SMS_PER_TILE", "SMALL_BATCH_MAX_PREFIX", "k_rows"]
 
 #: Where the sweep's table lives.
 TABLE_PATH = os.path.join(os.path.dirname(__file__), "tuned_h200.json")
@@ -75,21 +80,17 @@ def tuned_tile(head_dim: int, block_m: int, kv_bytes: int) -> Tuple[int, int, in
     return row["block_n"], row["num_warps"], row["num_stages"], k_rows(head_dim, block_m, kv_bytes)
 
 
-#: Where K tiles are loaded as rows and transposed on chip
-#: (``TileConfig.k_rows``): 16-bit pools, head dim and BLOCK_M at least
-#: these. Measured on the H200 (2026-11-30, CUDA-graph replays):
-#: Qwen3-Next (16/2 x 256, BLOCK_M 32, bf16) 6-11 % faster at batch 1-8,
-#: 4k-64k (batch 8 / 64k: 362 -> 323 us); Gemma-2-9B (16/8 x 256, BLOCK_M
-#: 16) no faster, and 13 % slower with its logit cap (64k: 1166 -> 1317 us);
-#: head dim 128 no faster (Qwen3-32B batch 1 / 4k 23.9 -> 25.4 us); fp8
-#: pools slower (Llama-3-8B batch 8 / 64k 523 -> 568 us).
-K_ROWS_MIN_HEAD_DIM = 256
-K_ROWS_MIN_BLOCK_M = 32
-
-
 def k_rows(head_dim: int, block_m: int, kv_bytes: int) -> bool:
-    """Whether K tiles load as ``[BLOCK_N, D]`` rows (see :data:`K_ROWS_MIN_HEAD_DIM`)."""
-    return kv_bytes == 2 and head_dim >= K_ROWS_MIN_HEAD_DIM and block_m >= K_ROWS_MIN_BLOCK_M
+    """Whether K tiles load as ``[BLOCK_N, D]`` rows (``TileConfig.k_rows``): the sweep's choice.
+
+    Only for a key the sweep measured; any other key (for instance Gemma-2's
+    16-row tiles of head dim 256, or a float32 pool) loads K as ``[D, BLOCK_N]``.
+    The layout's effect does not carry over between tile shapes: on the H200
+    rows made Qwen3-Next's 32-row bf16 tiles 6-11 % faster but Gemma-2's
+    capped 16-row tiles 13 % slower (2026-11-30).
+    """
+    row = TUNED["tiles"].get((head_dim, block_m, kv_bytes))
+    return bool(row is not None and row.get("k_rows", False))
 
 
 def programs_per_sm(head_dim: int, block_m: int, kv_bytes: int) -> int:
@@ -124,7 +125,7 @@ def small_batch_tile(head_dim: int, block_m: int, kv_bytes: int, tiles: int, num
                      prefix_len: int = 0):
     """``(block_n, num_warps, num_stages, k_rows)`` for a small launch, or ``None``.
 
-    ``k_rows`` follows :func:`k_rows`. ``None`` when the launch is not small
+    ``k_rows`` follows :func:`k_rows` (the throughput tile's layout). ``None`` when the launch is not small
     (``tiles * SMALL_BATCH_SMS_PER_TILE > num_sms``), its representative
     prefix is longer than :data:`SMALL_BATCH_MAX_PREFIX`, or the sweep found
     no tile faster than the throughput tile for this (head dim, BLOCK_M, pool

@@ -453,17 +453,18 @@ def test_small_launches_take_one_wave(monkeypatch):
 
 
 def test_k_tile_layout_per_head_dim_and_pool():
-    """K tiles load as rows only for 16-bit pools, head dim >= 256 and BLOCK_M >= 32 (the
-    measured rule in ``splitkv.tuning``), whichever schedule (small launch or not) the batch gets."""
+    """K tiles load as rows exactly where the sweep's table says so for the launch's own key,
+    whichever schedule (small launch or not) the batch gets; keys the sweep did not measure
+    (Gemma-2's 16-row tiles of head dim 256, float32 pools) load K as [D, BLOCK_N]."""
     from splitkv import tuning
     from splitkv.testing import MODEL_SHAPES
 
+    measured = {key: row["k_rows"] for key, row in tuning.TUNED["tiles"].items()}
     for s in MODEL_SHAPES.values():
         for kv_bytes in (2, 1):
             for bs in (1, 8, 64):
                 cfg = gpu_launch(s.num_q_heads, s.num_kv_heads, s.head_dim, bs, 16384, kv_bytes=kv_bytes).cfg
-                want = (kv_bytes == 2 and s.head_dim >= tuning.K_ROWS_MIN_HEAD_DIM
-                        and cfg.block_m >= tuning.K_ROWS_MIN_BLOCK_M)
-                assert cfg.k_rows is want, (s, kv_bytes, bs)
-    # Qwen3-Next (16/2 x 256, 4 drafts: 32 rows) loads K as rows; Llama-3-8B does not.
-    assert gpu_launch(16, 2, 256, 8, 16384).cfg.k_rows and not gpu_launch(32, 8, 128, 8, 16384).cfg.k_rows
+                assert cfg.k_rows is measured[(s.head_dim, cfg.block_m, kv_bytes)], (s, kv_bytes, bs)
+    gemma2 = gpu_launch(16, 8, 256, 8, 16384).cfg
+    assert gemma2.block_m == 16 and (256, 16, 2) not in measured and not gemma2.k_rows
+    assert not gpu_launch(16, 2, 256, 8, 16384, kv_bytes=4).cfg.k_rows

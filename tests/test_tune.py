@@ -22,6 +22,19 @@ def test_committed_table_has_one_tile_per_model_and_pool_dtype():
             assert (s.head_dim, block_m, kv_bytes) in keys
 
 
+def test_committed_tiles_are_the_sweeps_fastest():
+    """Each tile row is the fastest record of its (model, pool dtype) in ``tile_sweep``, K layout included."""
+    with open(tuning.TABLE_PATH) as f:
+        table = json.load(f)
+    fields = ("block_n", "num_warps", "num_stages", "k_rows", "programs_per_sm")
+    for row in table["tiles"]:
+        kv_name = "float8_e4m3fn" if row["kv_bytes"] == 1 else "bfloat16"
+        records = [r for r in table["tile_sweep"] if (r["model"], r["kv_dtype"]) == (row["from_model"], kv_name)]
+        best = min(records, key=lambda r: r["us"])
+        assert {f: row[f] for f in fields} == {f: best[f] for f in fields}, row
+        assert {r["k_rows"] for r in records} == {False, True}
+
+
 def test_tiles_only_replaces_one_pool_dtype_and_keeps_the_rest(tmp_path, monkeypatch):
     with open(tuning.TABLE_PATH) as f:
         table = json.load(f)
