@@ -26,7 +26,8 @@ Three sweeps, all timed as CUDA-graph replays with ``triton.testing.do_bench``
    geometric-mean time beats the usual schedule's by more than 3 %.
 
 Every measurement is written to the table's ``sweep`` lists, so the choice
-can be checked. Takes about three minutes on an H200.
+can be checked. Sweep 1 took about 80 s per pool dtype on an H200
+(2026-12-01); the whole run takes a few minutes.
 """
 
 from __future__ import annotations
