@@ -58,6 +58,8 @@ def _problem(shape, prefix, seed=0):
 
 def last_keys(p, n):
     """``p`` with each sequence's prefix cut to its last ``n`` keys, in the same pool slots."""
+    if min(p.prefix_lens) < n:
+        raise ValueError(f"every prefix needs at least {n} keys, got {min(p.prefix_lens)}")
     bs = p.batch_size
     ends = p.kv_indptr[1:].long()
     entries = (ends[:, None] - n + torch.arange(n, device=ends.device)).reshape(-1)

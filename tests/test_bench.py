@@ -426,6 +426,21 @@ def test_cli_without_gpu_points_to_demo():
     assert "python -m splitkv demo" in str(exc.value.code)
 
 
+def test_breadth_window_baseline_reads_the_same_slots():
+    """The window row's plain call: each prefix's last n keys, from the same pool slots."""
+    from splitkv import bench_breadth
+
+    p = make_problem([70, 33, 97], 4, 4, 2, 16, dtype=torch.float16, device=DEVICE, seed=5)
+    q = bench_breadth.last_keys(p, 32)
+    assert q.kv_indptr.tolist() == [0, 32, 64, 96] and q.prefix_lens == [32] * 3
+    ends = p.kv_indptr[1:].tolist()
+    assert q.kv_indices.tolist() == sum((p.kv_indices[e - 32:e].tolist() for e in ends), [])
+    assert q.kv_bytes * sum(p.prefix_lens) == p.kv_bytes * 96
+    assert q.k_buffer is p.k_buffer and q.kv_indices.dtype == p.kv_indices.dtype
+    with pytest.raises(ValueError, match="at least 34 keys"):
+        bench_breadth.last_keys(p, 34)
+
+
 def test_breadth_markdown_from_a_result():
     """The breadth benchmark's tables come from its result record (every row, its numbers)."""
     from splitkv import bench_breadth
