@@ -14,9 +14,8 @@ public drop-in ``verify_splitkv_fwd``:
    window's keys alone, read from the same pool slots (a windowed call reads
    only the window). Same slots, not merely as many: a plain problem drawn at
    the window's length has a pool of a few MB, where the windowed call's
-   keys lie scattered over a pool of 600 MB. On the H200 (2026-12-01, three
-   runs) the plain call over the window's own slots took 12.38-12.64 µs, over
-   a fresh small pool 12.19-12.38 µs.
+   keys lie scattered over a pool of 600 MB (the benchmarks page has the
+   measured difference).
 
 Writes ``figures/benchmark_breadth_<gpu>.json`` and ``.md``.
 """
