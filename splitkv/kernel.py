@@ -625,14 +625,14 @@ def block_m_for(rows: int) -> int:
 
 
 def tile_config(head_dim: int, v_head_dim: int, rows: int, interpret: bool = False,
-                kv_bytes: int = 2) -> TileConfig:
+                kv_bytes: int = 2, page_size: int = 1) -> TileConfig:
     """Block sizes for a head configuration, from the H200 sweep.
 
     The table :data:`splitkv.tuning.TUNED` (``python -m splitkv.tune``) holds
     the fastest ``(BLOCK_N, warps, stages)`` measured per (head dim, rows per
-    tile, pool element size); a configuration it does not list takes the
-    nearest measured one by head dim and rows; the K layout follows
-    :func:`splitkv.tuning.k_rows`.
+    tile, pool element size), and per page size for paged pools; a
+    configuration it does not list takes the nearest measured one by head dim
+    and rows; the K layout follows :func:`splitkv.tuning.k_rows`.
 
     Args:
         head_dim: query/key head dimension.
@@ -640,6 +640,7 @@ def tile_config(head_dim: int, v_head_dim: int, rows: int, interpret: bool = Fal
         rows: query rows per (sequence, head tile), see :func:`rows_per_tile`.
         interpret: small tiles for the Triton interpreter.
         kv_bytes: bytes per pool element (2 for 16-bit pools, 1 for fp8).
+        page_size: keys per page of a paged pool (1: a token pool).
 
     Returns:
         The :class:`TileConfig`.
@@ -649,4 +650,4 @@ def tile_config(head_dim: int, v_head_dim: int, rows: int, interpret: bool = Fal
     block_m = block_m_for(rows)
     if interpret:
         return TileConfig(block_m, 16, 4, 1)
-    return TileConfig(block_m, *tuned_tile(max(head_dim, v_head_dim), block_m, kv_bytes))
+    return TileConfig(block_m, *tuned_tile(max(head_dim, v_head_dim), block_m, kv_bytes, page_size))

@@ -246,21 +246,23 @@ class GpuLaunch:
 
 
 def gpu_launch(num_q_heads: int, num_kv_heads: int, head_dim: int, batch: int, prefix: int, *,
-               max_len_extend: int = 4, num_sms: int = 132, kv_bytes: int = 2) -> GpuLaunch:
+               max_len_extend: int = 4, num_sms: int = 132, kv_bytes: int = 2, page_size: int = 1) -> GpuLaunch:
     """The runner's GPU launch for ``batch`` sequences of ``prefix`` keys, computed on any machine.
 
     The same rules as :meth:`splitkv.VerifySplitKV.config` and
     :meth:`~splitkv.VerifySplitKV.n_splits` on a GPU (under the interpreter
     the runner itself uses small tiles and short slices instead), with the
-    H200 table of :mod:`splitkv.tuning`. ``kv_bytes``: pool element size.
+    H200 table of :mod:`splitkv.tuning`. ``kv_bytes``: pool element size;
+    ``page_size``: keys per page of a paged pool (1: a token pool).
     """
     from .kernel import TileConfig, tile_config
     from .splits import choose_n_splits, one_wave_n_splits
     from .tuning import TUNED, programs_per_sm, small_batch_tile
 
-    cfg = tile_config(head_dim, head_dim, rows=num_q_heads // num_kv_heads * max_len_extend, kv_bytes=kv_bytes)
+    cfg = tile_config(head_dim, head_dim, rows=num_q_heads // num_kv_heads * max_len_extend, kv_bytes=kv_bytes,
+                      page_size=page_size)
     tiles = head_tiles(num_q_heads, num_kv_heads, max_len_extend, cfg.block_m)
-    pps = programs_per_sm(head_dim, cfg.block_m, kv_bytes)
+    pps = programs_per_sm(head_dim, cfg.block_m, kv_bytes, page_size)
     small = small_batch_tile(head_dim, cfg.block_m, kv_bytes, batch * tiles, num_sms, prefix)
     if small is not None:
         cfg, pps = TileConfig(cfg.block_m, *small), 1

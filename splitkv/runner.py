@@ -302,19 +302,20 @@ class VerifySplitKV:
         return small_batch_tile(max(self.head_dim, self.v_head_dim), self.block_m, _element_size(kv_dtype),
                                 batch_size * self.head_tiles, self.num_sms, prefix_len)
 
-    def config(self, kv_dtype: torch.dtype, batch_size: Optional[int] = None, prefix_len: int = 0) -> TileConfig:
-        """The tile shape for a pool of ``kv_dtype`` (and a batch of ``batch_size``
-        sequences of about ``prefix_len`` keys, if given)."""
+    def config(self, kv_dtype: torch.dtype, batch_size: Optional[int] = None, prefix_len: int = 0,
+               page_size: int = 1) -> TileConfig:
+        """The tile shape for a pool of ``kv_dtype`` in pages of ``page_size`` keys (1: a token pool),
+        and a batch of ``batch_size`` sequences of about ``prefix_len`` keys, if given."""
         if self._config is not None:
             return self._config
         small = self._small_batch(batch_size, kv_dtype, prefix_len)
         if small is not None:
             return TileConfig(self.block_m, *small)
         return tile_config(self.head_dim, self.v_head_dim, rows_per_tile(self.heads_per_tile, self.max_len_extend),
-                           interpreting(), kv_bytes=_element_size(kv_dtype))
+                           interpreting(), kv_bytes=_element_size(kv_dtype), page_size=page_size)
 
     def n_splits(self, batch_size: int, prefix_len: int, kv_dtype: torch.dtype = torch.bfloat16,
-                 small: Optional[bool] = None) -> int:
+                 small: Optional[bool] = None, page_size: int = 1) -> int:
         """Grid slices for a batch (static shapes only).
 
         Args:
@@ -324,6 +325,8 @@ class VerifySplitKV:
             small: whether the launch runs the small-launch tile (a plan fixes
                 it when made); default: as :meth:`config` decides for
                 ``batch_size`` and ``prefix_len``.
+            page_size: keys per page of a paged pool (1: a token pool); its
+                tile may hold a different number of programs per SM.
 
         Returns:
             The fixed count if one was given; in fixed-slice mode
@@ -342,7 +345,7 @@ class VerifySplitKV:
         kv_bytes = _element_size(kv_dtype)
         return choose_n_splits(
             batch_size, self.head_tiles, prefix_len, self.num_sms,
-            programs_per_sm=programs_per_sm(max(self.head_dim, self.v_head_dim), self.block_m, kv_bytes),
+            programs_per_sm=programs_per_sm(max(self.head_dim, self.v_head_dim), self.block_m, kv_bytes, page_size),
             min_split_tokens=min_split_tokens(),
         )
 
@@ -482,7 +485,7 @@ class VerifyPlan:
         # The tile is fixed here, from this call's prefix; rebind() may change only the split count.
         prefix = self._prefix(kv_len, 0)
         self._small = r._small_batch(bs, k_buffer.dtype, prefix) is not None
-        self.config = cfg = r.config(k_buffer.dtype, bs, prefix)
+        self.config = cfg = r.config(k_buffer.dtype, bs, prefix, self.page_size)
         self._size(kv_len)
         if sm_scale is None:
             sm_scale = 1.0 / math.sqrt(r.head_dim)
@@ -560,7 +563,8 @@ class VerifyPlan:
             # Fixed slices: enough for the longest possible prefix (every key in one sequence).
             self.n_splits = fixed_n_splits(kv_len * self.page_size, r.split_tokens)
         else:
-            self.n_splits = r.n_splits(bs, self._prefix(kv_len, self.config.block_n), self._kv_dtype, self._small)
+            self.n_splits = r.n_splits(bs, self._prefix(kv_len, self.config.block_n), self._kv_dtype, self._small,
+                                       self.page_size)
         self.grid = (self._tiles, self.n_splits, 1)
         if self._tiles >= 2**31 or self.n_splits > MAX_GRID_SPLITS:
             raise ValueError(f"grid {self.grid[:2]} exceeds CUDA's launch limits")

@@ -14,6 +14,12 @@ Three sweeps, all timed as CUDA-graph replays with ``triton.testing.do_bench``
    stage without spilling (2026-12-01). ``--tiles-only KV_DTYPE``
    runs this sweep alone for one pool dtype, after a change that concerns
    only that dtype, and keeps the rest of the table.
+
+   The same sweep on paged pools (pages of 16 and 64 keys, the breadth
+   benchmark's) fills ``paged_tiles``, with a fourth pipeline stage in the
+   grid: a page is contiguous rows, which the compiler buffers differently
+   from scattered slots, so the token pool's tile need not be the paged
+   pool's. ``--paged KV_DTYPE`` runs it alone.
 2. Slice length. With those tiles, the shortest slice the adaptive chooser
    may use (``min_split_tokens``), at the small shapes where it matters
    (batch 1 and 8, prefixes 4k and 16k, the three models); the value with the
@@ -27,7 +33,7 @@ Three sweeps, all timed as CUDA-graph replays with ``triton.testing.do_bench``
 
 Every measurement is written to the table's ``sweep`` lists, so the choice
 can be checked. Sweep 1 took about 80 s per pool dtype on an H200
-(2026-12-01); the whole run takes a few minutes.
+(2026-12-01), its paged form 290-310 s; the whole run takes about 15 minutes.
 """
 
 from __future__ import annotations
@@ -44,8 +50,9 @@ import torch
 from . import tuning
 from .bench import Timer
 from .kernel import TileConfig, block_m_for, rows_per_tile
+from .bench_breadth import PAGE_SIZES
 from .runner import VerifySplitKV
-from .testing import MODEL_SHAPES, make_problem
+from .testing import MODEL_SHAPES, make_problem, paged_problem
 
 BLOCK_NS = (32, 64, 128)
 #: Sweep 1 (tiles): 8 warps lost to 4 for every model and pool dtype in the sweep of
@@ -54,6 +61,8 @@ WARPS = (4,)
 #: Sweep 3 (small launches, one program per SM) tries both.
 SMALL_BATCH_WARPS = (4, 8)
 STAGES = (2, 3)
+#: Paged pools: pages are contiguous rows, which take a deeper pipeline in less shared memory.
+PAGED_STAGES = (2, 3, 4)
 K_ROWS = (False, True)
 TILE_PREFIXES = (16384, 65536)
 MIN_SPLITS = (64, 128, 256, 512)
@@ -84,28 +93,36 @@ def _problem(model, bs, prefix, kv_dtype):
 
 
 def _timed_plan(p, **runner_kwargs):
-    runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
-                           p.batch_size, "cuda", **runner_kwargs)
-    plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr,
-                       p.kv_indptr, p.kv_indices, p.custom_mask, p.mask_indptr, p.is_causal,
-                       sm_scale=p.sm_scale, k_scale=p.k_scale, v_scale=p.v_scale)
-    out = p.new_output()
-    run = lambda: plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=out)  # noqa: E731
+    """A plan of problem ``p`` (a token-pool problem or a :class:`~splitkv.testing.PagedProblem`) and its run."""
+    base = getattr(p, "problem", p)
+    out = base.new_output()
+    q, k, v, _, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices = p.args(out)[:9]
+    runner = VerifySplitKV(base.num_q_heads, base.num_kv_heads, base.head_dim, base.v_head_dim,
+                           base.max_len_extend, base.batch_size, "cuda", **runner_kwargs)
+    plan = runner.plan(q, k, v, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, base.custom_mask,
+                       base.mask_indptr, base.is_causal, sm_scale=base.sm_scale, k_scale=base.k_scale,
+                       v_scale=base.v_scale, kv_last_page_len=getattr(p, "kv_last_page_len", None))
+    run = lambda: plan.run(q, k, v, k_buffer, v_buffer, out=out)  # noqa: E731
     return plan, run
 
 
-def sweep_tiles(log, kv_dtypes=KV_DTYPES):
+def sweep_tiles(log, kv_dtypes=KV_DTYPES, page_size=1):
+    """Sweep 1 on a token pool (``page_size`` 1) or on pages of ``page_size`` keys: table rows and every timing."""
     rows, sweep = [], []
+    stages_grid = STAGES if page_size == 1 else PAGED_STAGES
+    layout = "token pool" if page_size == 1 else f"pages of {page_size}"
     for model, s in MODEL_SHAPES.items():
         block_m = block_m_for(rows_per_tile(s.group, 4))
         for kv_name, kv_dtype in kv_dtypes.items():
             problems = [_problem(model, 8, prefix, kv_dtype) for prefix in TILE_PREFIXES]
+            if page_size > 1:
+                problems = [paged_problem(p, page_size, seed=1) for p in problems]
             best = None
             for bn in BLOCK_NS:
                 if bn * s.head_dim > 128 * 128:
                     continue  # K and V tiles past the register file: spills
                 for warps in WARPS:
-                    for stages in STAGES:
+                    for stages in stages_grid:
                         for k_rows in K_ROWS:
                             cfg = TileConfig(block_m, bn, warps, stages, k_rows)
                             try:
@@ -113,28 +130,38 @@ def sweep_tiles(log, kv_dtypes=KV_DTYPES):
                                 times = [graph_time_us(run) for _, run in timed]
                                 args_kernel = next(iter(timed[0][0]._launch._compiled.values()), None)
                             except Exception as err:  # out of resources: not a candidate
-                                log(f"{model} {kv_name} {cfg}: {type(err).__name__}")
+                                log(f"{model} {kv_name} {layout} {cfg}: {type(err).__name__}")
                                 continue
                             del timed
                             us = math.exp(sum(map(math.log, times)) / len(times))
                             pps = programs_per_sm_of(args_kernel, warps) if args_kernel is not None else 1
-                            rec = dict(model=model, kv_dtype=kv_name, block_n=bn, num_warps=warps,
+                            rec = dict(model=model, kv_dtype=kv_name, page_size=page_size, block_n=bn, num_warps=warps,
                                        num_stages=stages, k_rows=k_rows, us=us,
                                        us_by_prefix=dict(zip(map(str, TILE_PREFIXES), times)),
                                        n_regs=args_kernel.n_regs, n_spills=args_kernel.n_spills,
                                        shared=args_kernel.metadata.shared, programs_per_sm=pps)
                             sweep.append(rec)
-                            log(f"{model:>10} {kv_name:>13} BLOCK_N {bn:>3} warps {warps} stages {stages} "
+                            log(f"{model:>10} {kv_name:>13} {layout} BLOCK_N {bn:>3} warps {warps} stages {stages} "
                                 f"k_rows {k_rows:d}: " + " / ".join(f"{t:7.1f}" for t in times)
                                 + f" us  regs {rec['n_regs']} spills {rec['n_spills']} -> {pps}/SM")
                             if best is None or us < best["us"]:
                                 best = rec
             rows.append(dict(head_dim=s.head_dim, block_m=block_m, kv_bytes=1 if "float8" in kv_name else 2,
-                             block_n=best["block_n"], num_warps=best["num_warps"], num_stages=best["num_stages"],
+                             **({"page_size": page_size} if page_size > 1 else {}), block_n=best["block_n"], num_warps=best["num_warps"], num_stages=best["num_stages"],
                              k_rows=best["k_rows"], programs_per_sm=best["programs_per_sm"], from_model=model,
                              us=best["us"], date=datetime.date.today().isoformat()))
             del problems
             torch.cuda.empty_cache()
+    return rows, sweep
+
+
+def sweep_paged_tiles(log, kv_dtypes=KV_DTYPES):
+    """Sweep 1 on paged pools, one row per (model, pool dtype, page size in :data:`PAGE_SIZES`)."""
+    rows, sweep = [], []
+    for page_size in PAGE_SIZES:
+        r, s = sweep_tiles(log, kv_dtypes, page_size)
+        rows += r
+        sweep += s
     return rows, sweep
 
 
@@ -212,14 +239,21 @@ def _small_batch_only(path, log):
     return table
 
 
-def _tiles_only(path, kv_name, log):
-    """Sweep 1 for one pool dtype; the table's other rows and sweeps are kept."""
+def _tiles_only(path, kv_name, log, paged=False):
+    """Sweep 1 for one pool dtype, on the token pool or (``paged``) on paged pools; the rest is kept."""
     table = _read_table(path)
-    rows, sweep = sweep_tiles(log, {kv_name: KV_DTYPES[kv_name]})
+    kv = {kv_name: KV_DTYPES[kv_name]}
+    rows, sweep = sweep_paged_tiles(log, kv) if paged else sweep_tiles(log, kv)
+    rows_key, sweep_key = ("paged_tiles", "paged_tile_sweep") if paged else ("tiles", "tile_sweep")
     kv_bytes = {r["kv_bytes"] for r in rows}
-    table["tiles"] = [r for r in table["tiles"] if r["kv_bytes"] not in kv_bytes] + rows
-    table["tile_sweep"] = [r for r in table["tile_sweep"] if r["kv_dtype"] != kv_name] + sweep
+    table[rows_key] = [r for r in table.get(rows_key, []) if r["kv_bytes"] not in kv_bytes] + rows
+    table[sweep_key] = [r for r in table.get(sweep_key, []) if r["kv_dtype"] != kv_name] + sweep
     return table
+
+
+def _tile_summary(row):
+    return (row["from_model"], row["kv_bytes"], row.get("page_size", 1), row["block_n"], row["num_warps"],
+            row["num_stages"], row["k_rows"])
 
 
 def _write_table(path, table):
@@ -235,6 +269,8 @@ def main(argv=None):
                     help="run sweep 3 alone and update the table's small_batch_tiles")
     ap.add_argument("--tiles-only", choices=sorted(KV_DTYPES), metavar="KV_DTYPE",
                     help="run sweep 1 alone for this pool dtype (one of %(choices)s) and update its tiles")
+    ap.add_argument("--paged", choices=sorted(KV_DTYPES), metavar="KV_DTYPE",
+                    help="run sweep 1 on paged pools alone for this pool dtype and update its paged tiles")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the sweep needs a CUDA GPU")
@@ -242,11 +278,12 @@ def main(argv=None):
 
     start = time.time()
     log = lambda msg: print(f"[{time.time() - start:6.1f}s] {msg}", flush=True)  # noqa: E731
-    if args.tiles_only:
-        table = _tiles_only(args.out, args.tiles_only, log)
+    if args.tiles_only or args.paged:
+        paged = args.paged is not None
+        table = _tiles_only(args.out, args.paged or args.tiles_only, log, paged)
         _write_table(args.out, table)
-        log(f"wrote {args.out}: {args.tiles_only} tiles "
-            f"{[(r['from_model'], r['block_n'], r['num_warps'], r['num_stages'], r['k_rows']) for r in table['tiles']]}")
+        key = "paged_tiles" if paged else "tiles"
+        log(f"wrote {args.out}: {key} {[_tile_summary(r) for r in table[key]]}")
         return
     if args.small_batch:
         table = _small_batch_only(args.out, log)
@@ -256,6 +293,7 @@ def main(argv=None):
     tiles, tile_sweep = sweep_tiles(log)
     tuning.TUNED["tiles"] = {(r["head_dim"], r["block_m"], r["kv_bytes"]): r for r in tiles}
     tuning._nearest.cache_clear()
+    paged_tiles, paged_sweep = sweep_paged_tiles(log)
     best_ms, by_ms, split_sweep = sweep_min_split(log)
     small_rows, small_sweep = sweep_small_batch(log)
     table = dict(
@@ -268,12 +306,15 @@ def main(argv=None):
         min_split_geomean_us={str(k): v for k, v in by_ms.items()},
         tiles=tiles,
         tile_sweep=tile_sweep,
+        paged_tiles=paged_tiles,
+        paged_tile_sweep=paged_sweep,
         split_sweep=split_sweep,
         small_batch_tiles=small_rows,
         small_batch_sweep=small_sweep,
     )
     _write_table(args.out, table)
-    log(f"wrote {args.out}: min_split_tokens {best_ms}; tiles {[(r['from_model'], r['kv_bytes'], r['block_n'], r['num_warps'], r['num_stages']) for r in tiles]}")
+    log(f"wrote {args.out}: min_split_tokens {best_ms}; tiles {[_tile_summary(r) for r in tiles]}; "
+        f"paged tiles {[_tile_summary(r) for r in paged_tiles]}")
 
 
 if __name__ == "__main__":

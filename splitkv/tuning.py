@@ -9,6 +9,9 @@ over the split chooser's slice length, timed from CUDA graphs with
   ``block_n``, ``num_warps``, ``num_stages``, ``k_rows`` (see
   :class:`splitkv.kernel.TileConfig`) and the programs per SM that the
   compiled kernel's registers and shared memory allow;
+* ``paged_tiles``: the same per (key, page size) for paged pools, swept
+  apart because a page's contiguous rows change what the tile costs (see
+  :func:`paged_tile_row`);
 * ``min_split_tokens``: the shortest prefix slice worth a program of its own;
 * ``small_batch_tiles``: per key, the tile for launches too small to fill
   the device (at most one program per SM, see :func:`small_batch_tile`),
@@ -33,7 +36,7 @@ from typing import Dict, Tuple
 from .checks import interpreting
 
 __all__ = ["TUNED", "tuned_tile", "programs_per_sm", "min_split_tokens", "small_batch_tile", "TABLE_PATH",
-           "SMALL_BATCH_SMS_PER_TILE", "SMALL_BATCH_MAX_PREFIX", "k_rows"]
+           "SMALL_BATCH_SMS_PER_TILE", "SMALL_BATCH_MAX_PREFIX", "k_rows", "paged_tile_row"]
 
 #: Where the sweep's table lives.
 TABLE_PATH = os.path.join(os.path.dirname(__file__), "tuned_h200.json")
@@ -46,6 +49,8 @@ def _load() -> dict:
     for row in table["tiles"]:
         tiles[(row["head_dim"], row["block_m"], row["kv_bytes"])] = row
     table["tiles"] = tiles
+    table["paged_tiles"] = {(r["head_dim"], r["block_m"], r["kv_bytes"], r["page_size"]): r
+                            for r in table.get("paged_tiles", [])}
     table["small_batch_tiles"] = {(r["head_dim"], r["block_m"], r["kv_bytes"]): r
                                   for r in table.get("small_batch_tiles", [])}
     return table
@@ -65,37 +70,62 @@ def _nearest(head_dim: int, block_m: int, kv_bytes: int) -> Dict:
     return tiles[key]
 
 
-def tuned_tile(head_dim: int, block_m: int, kv_bytes: int) -> Tuple[int, int, int, bool]:
+def paged_tile_row(head_dim: int, block_m: int, kv_bytes: int, page_size: int):
+    """The ``paged_tiles`` row a paged pool of ``page_size`` uses, or ``None`` (the token pool's tile).
+
+    Only keys the paged sweep measured have one; among them, the row of the
+    largest swept page size not above ``page_size`` (pages of 32 take the row
+    of 16, pages of 128 the row of 64). A token pool (``page_size`` 1) and
+    pages smaller than every swept size take the token pool's tile.
+
+    Why a row of its own: a page is contiguous rows, and the compiler buffers
+    a tile of such rows in shared memory differently from a gather of
+    scattered slots. In the paged sweep (H200, bf16, 2026-12-01) Qwen3-Next's
+    token-pool tile (64 keys, three stages) took 151 KB of shared memory on
+    pages of 64, one program per SM, and 277.1 us at batch 8 / 64k; two
+    stages, two programs per SM, took 266.2.
+    """
+    if page_size <= 1:
+        return None
+    rows = [(key[3], row) for key, row in TUNED["paged_tiles"].items()
+            if key[:3] == (head_dim, block_m, kv_bytes) and key[3] <= page_size]
+    return max(rows, key=lambda r: r[0])[1] if rows else None
+
+
+def tuned_tile(head_dim: int, block_m: int, kv_bytes: int, page_size: int = 1) -> Tuple[int, int, int, bool]:
     """``(block_n, num_warps, num_stages, k_rows)`` for the widest head dim, BLOCK_M and pool element size.
 
-    float32 pools (4 bytes, tests and references rather than serving) are not
-    swept: they take the 16-bit entry with half the keys per step and at most
-    two stages, which keeps the pipelined K/V tiles inside shared memory.
-    ``k_rows`` follows :func:`k_rows`.
+    ``page_size`` > 1: a paged pool, which takes its :func:`paged_tile_row`
+    where the sweep has one. float32 pools (4 bytes, tests and references
+    rather than serving) are not swept: they take the 16-bit entry with half
+    the keys per step and at most two stages, which keeps the pipelined K/V
+    tiles inside shared memory. ``k_rows`` follows :func:`k_rows`.
     """
     if kv_bytes > 2:
-        block_n, warps, stages, _ = tuned_tile(head_dim, block_m, 2)
-        return max(16, block_n // 2), warps, min(stages, 2), k_rows(head_dim, block_m, kv_bytes)
-    row = _nearest(head_dim, block_m, kv_bytes)
-    return row["block_n"], row["num_warps"], row["num_stages"], k_rows(head_dim, block_m, kv_bytes)
+        block_n, warps, stages, _ = tuned_tile(head_dim, block_m, 2, page_size)
+        return max(16, block_n // 2), warps, min(stages, 2), k_rows(head_dim, block_m, kv_bytes, page_size)
+    row = paged_tile_row(head_dim, block_m, kv_bytes, page_size) or _nearest(head_dim, block_m, kv_bytes)
+    return row["block_n"], row["num_warps"], row["num_stages"], k_rows(head_dim, block_m, kv_bytes, page_size)
 
 
-def k_rows(head_dim: int, block_m: int, kv_bytes: int) -> bool:
+def k_rows(head_dim: int, block_m: int, kv_bytes: int, page_size: int = 1) -> bool:
     """Whether K tiles load as ``[BLOCK_N, D]`` rows (``TileConfig.k_rows``): the sweep's choice.
 
-    Only for a key the sweep measured; any other key (for instance Gemma-2's
-    16-row tiles of head dim 256, or a float32 pool) loads K as ``[D, BLOCK_N]``.
-    The layout's effect does not carry over between tile shapes: on the H200
-    rows made Qwen3-Next's 32-row bf16 tiles 6-11 % faster but Gemma-2's
-    capped 16-row tiles 13 % slower (2026-11-30).
+    Only for a key the sweep measured (for a paged pool, its
+    :func:`paged_tile_row`, else the token pool's row); any other key (for
+    instance Gemma-2's 16-row tiles of head dim 256, or a float32 pool) loads
+    K as ``[D, BLOCK_N]``. The layout's effect does not carry over between
+    tile shapes: on the H200 rows made Qwen3-Next's 32-row bf16 tiles 6-11 %
+    faster but Gemma-2's capped 16-row tiles 13 % slower (2026-11-30).
     """
-    row = TUNED["tiles"].get((head_dim, block_m, kv_bytes))
+    row = paged_tile_row(head_dim, block_m, kv_bytes, page_size) or TUNED["tiles"].get((head_dim, block_m, kv_bytes))
     return bool(row is not None and row.get("k_rows", False))
 
 
-def programs_per_sm(head_dim: int, block_m: int, kv_bytes: int) -> int:
+def programs_per_sm(head_dim: int, block_m: int, kv_bytes: int, page_size: int = 1) -> int:
     """Programs of the verify kernel one SM holds at once (from the sweep's compiled kernels)."""
-    return _nearest(head_dim, block_m, kv_bytes)["programs_per_sm"]
+    row = paged_tile_row(head_dim, block_m, kv_bytes, page_size) or _nearest(head_dim, block_m, kv_bytes)
+    return row["programs_per_sm"]
 
 
 #: Under the Triton interpreter (CPU tests): short slices, so that small test

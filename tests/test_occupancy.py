@@ -416,11 +416,32 @@ def test_gpu_launch_is_what_the_runner_launches_on_a_gpu(monkeypatch):
     monkeypatch.setattr(runner_mod, "min_split_tokens", lambda: tuning.TUNED["min_split_tokens"])
     for s in MODEL_SHAPES.values():
         for bs, prefix in ((1, 4096), (8, 16384), (32, 65536)):
-            g = gpu_launch(s.num_q_heads, s.num_kv_heads, s.head_dim, bs, prefix, num_sms=132)
-            r = VerifySplitKV(s.num_q_heads, s.num_kv_heads, s.head_dim, s.head_dim, 4, bs, DEVICE, num_sms=132)
-            assert r.config(torch.bfloat16, bs, prefix) == g.cfg
-            assert r.head_tiles == g.head_tiles
-            assert r.n_splits(bs, prefix) == g.n_splits
+            for page_size in (1, 16, 64):
+                g = gpu_launch(s.num_q_heads, s.num_kv_heads, s.head_dim, bs, prefix, num_sms=132,
+                               page_size=page_size)
+                r = VerifySplitKV(s.num_q_heads, s.num_kv_heads, s.head_dim, s.head_dim, 4, bs, DEVICE, num_sms=132)
+                assert r.config(torch.bfloat16, bs, prefix, page_size) == g.cfg
+                assert r.head_tiles == g.head_tiles
+                assert r.n_splits(bs, prefix, page_size=page_size) == g.n_splits
+
+
+def test_paged_pools_take_the_paged_sweeps_tile():
+    """A paged pool takes the paged sweep's row of the largest swept page size not above its own
+    (tile and programs per SM); a token pool, and pages smaller than every swept size, keep the
+    token pool's tile."""
+    from splitkv import tuning
+    from splitkv.testing import MODEL_SHAPES
+
+    for s in MODEL_SHAPES.values():
+        token = gpu_launch(s.num_q_heads, s.num_kv_heads, s.head_dim, 8, 65536)
+        for page_size, swept in ((1, None), (8, None), (16, 16), (32, 16), (64, 64), (128, 64)):
+            g = gpu_launch(s.num_q_heads, s.num_kv_heads, s.head_dim, 8, 65536, page_size=page_size)
+            if swept is None:
+                assert (g.cfg, g.programs_per_sm) == (token.cfg, token.programs_per_sm)
+                continue
+            row = tuning.TUNED["paged_tiles"][(s.head_dim, g.cfg.block_m, 2, swept)]
+            assert (g.cfg.block_n, g.cfg.num_warps, g.cfg.num_stages, g.cfg.k_rows, g.programs_per_sm) == (
+                row["block_n"], row["num_warps"], row["num_stages"], row["k_rows"], row["programs_per_sm"])
 
 
 def test_small_launches_take_one_wave(monkeypatch):

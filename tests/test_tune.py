@@ -7,6 +7,7 @@ stand-in sweep, and the committed table against the models it must cover.
 import json
 
 from splitkv import tune, tuning
+from splitkv.bench_breadth import PAGE_SIZES
 from splitkv.kernel import block_m_for, rows_per_tile
 from splitkv.testing import MODEL_SHAPES
 
@@ -20,6 +21,34 @@ def test_committed_table_has_one_tile_per_model_and_pool_dtype():
         block_m = block_m_for(rows_per_tile(s.group, 4))
         for kv_bytes in (1, 2):
             assert (s.head_dim, block_m, kv_bytes) in keys
+
+
+def test_committed_paged_tiles_cover_every_model_and_page_size():
+    """Paged rows for every model and pool dtype at every page size the breadth benchmark times."""
+    with open(tuning.TABLE_PATH) as f:
+        rows = json.load(f)["paged_tiles"]
+    keys = [(r["head_dim"], r["block_m"], r["kv_bytes"], r["page_size"]) for r in rows]
+    assert len(keys) == len(set(keys))
+    for s in MODEL_SHAPES.values():
+        block_m = block_m_for(rows_per_tile(s.group, 4))
+        for kv_bytes in (1, 2):
+            for page_size in PAGE_SIZES:
+                assert (s.head_dim, block_m, kv_bytes, page_size) in keys
+
+
+def test_committed_paged_tiles_are_the_sweeps_fastest():
+    """Each paged row is the fastest record of its (model, pool dtype, page size) in ``paged_tile_sweep``,
+    over a grid with a fourth pipeline stage."""
+    with open(tuning.TABLE_PATH) as f:
+        table = json.load(f)
+    fields = ("block_n", "num_warps", "num_stages", "k_rows", "programs_per_sm")
+    for row in table["paged_tiles"]:
+        kv_name = "float8_e4m3fn" if row["kv_bytes"] == 1 else "bfloat16"
+        records = [r for r in table["paged_tile_sweep"]
+                   if (r["model"], r["kv_dtype"], r["page_size"]) == (row["from_model"], kv_name, row["page_size"])]
+        best = min(records, key=lambda r: r["us"])
+        assert {f: row[f] for f in fields} == {f: best[f] for f in fields}, row
+        assert {r["num_stages"] for r in records} == set(tune.PAGED_STAGES)
 
 
 def test_committed_tiles_are_the_sweeps_fastest():
@@ -58,4 +87,26 @@ def test_tiles_only_replaces_one_pool_dtype_and_keeps_the_rest(tmp_path, monkeyp
     assert [r for r in new["tile_sweep"] if r["kv_dtype"] == "float8_e4m3fn"] == \
         [dict(model="m", kv_dtype="float8_e4m3fn", us=1.0)]
     for key in ("min_split_tokens", "small_batch_tiles", "split_sweep"):
+        assert new[key] == table[key]
+
+
+def test_paged_only_replaces_one_pool_dtypes_paged_rows(tmp_path, monkeypatch):
+    with open(tuning.TABLE_PATH) as f:
+        table = json.load(f)
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table))
+    new_row = dict(head_dim=256, block_m=32, kv_bytes=2, page_size=16, block_n=16, from_model="m", us=1.0)
+
+    def fake_sweep(log, kv_dtypes):
+        assert list(kv_dtypes) == ["bfloat16"]
+        return [new_row], [dict(model="m", kv_dtype="bfloat16", page_size=16, us=1.0)]
+
+    monkeypatch.setattr(tune, "sweep_paged_tiles", fake_sweep)
+    new = tune._tiles_only(str(path), "bfloat16", lambda msg: None, paged=True)
+    assert [r for r in new["paged_tiles"] if r["kv_bytes"] == 2] == [new_row]
+    assert [r for r in new["paged_tiles"] if r["kv_bytes"] != 2] == \
+        [r for r in table["paged_tiles"] if r["kv_bytes"] != 2]
+    assert [r for r in new["paged_tile_sweep"] if r["kv_dtype"] != "bfloat16"] == \
+        [r for r in table["paged_tile_sweep"] if r["kv_dtype"] != "bfloat16"]
+    for key in ("tiles", "tile_sweep", "min_split_tokens", "small_batch_tiles", "split_sweep"):
         assert new[key] == table[key]
