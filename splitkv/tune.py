@@ -33,7 +33,7 @@ Three sweeps, all timed as CUDA-graph replays with ``triton.testing.do_bench``
 
 Every measurement is written to the table's ``sweep`` lists, so the choice
 can be checked. Sweep 1 took about 80 s per pool dtype on an H200
-(2026-12-01), its paged form 290-310 s; the whole run takes about 15 minutes.
+(2026-12-01), its paged form 290-310 s; a full run of the three sweeps takes over ten minutes.
 """
 
 from __future__ import annotations
