@@ -49,8 +49,8 @@ import torch
 
 from . import tuning
 from .bench import Timer
-from .kernel import TileConfig, block_m_for, rows_per_tile
 from .bench_breadth import PAGE_SIZES
+from .kernel import TileConfig, block_m_for, rows_per_tile
 from .runner import VerifySplitKV
 from .testing import MODEL_SHAPES, make_problem, paged_problem
 
@@ -61,7 +61,8 @@ WARPS = (4,)
 #: Sweep 3 (small launches, one program per SM) tries both.
 SMALL_BATCH_WARPS = (4, 8)
 STAGES = (2, 3)
-#: Paged pools: pages are contiguous rows, which take a deeper pipeline in less shared memory.
+#: Paged pools: a page's contiguous rows compile to another pipeline than scattered slots
+#: (more shared memory per stage), so a fourth stage is tried too; it never won on the H200 (2026-12-01).
 PAGED_STAGES = (2, 3, 4)
 K_ROWS = (False, True)
 TILE_PREFIXES = (16384, 65536)
@@ -146,8 +147,9 @@ def sweep_tiles(log, kv_dtypes=KV_DTYPES, page_size=1):
                                 + f" us  regs {rec['n_regs']} spills {rec['n_spills']} -> {pps}/SM")
                             if best is None or us < best["us"]:
                                 best = rec
-            rows.append(dict(head_dim=s.head_dim, block_m=block_m, kv_bytes=1 if "float8" in kv_name else 2,
-                             **({"page_size": page_size} if page_size > 1 else {}), block_n=best["block_n"], num_warps=best["num_warps"], num_stages=best["num_stages"],
+            paged = {"page_size": page_size} if page_size > 1 else {}
+            rows.append(dict(head_dim=s.head_dim, block_m=block_m, kv_bytes=1 if "float8" in kv_name else 2, **paged,
+                             block_n=best["block_n"], num_warps=best["num_warps"], num_stages=best["num_stages"],
                              k_rows=best["k_rows"], programs_per_sm=best["programs_per_sm"], from_model=model,
                              us=best["us"], date=datetime.date.today().isoformat()))
             del problems
