@@ -92,6 +92,11 @@ def paged_tile_row(head_dim: int, block_m: int, kv_bytes: int, page_size: int):
     return max(rows, key=lambda r: r[0])[1] if rows else None
 
 
+def _tile_row(head_dim: int, block_m: int, kv_bytes: int, page_size: int) -> Dict:
+    """The table row a launch's tile comes from: its paged row if it has one, else the nearest token-pool row."""
+    return paged_tile_row(head_dim, block_m, kv_bytes, page_size) or _nearest(head_dim, block_m, kv_bytes)
+
+
 def tuned_tile(head_dim: int, block_m: int, kv_bytes: int, page_size: int = 1) -> Tuple[int, int, int, bool]:
     """``(block_n, num_warps, num_stages, k_rows)`` for the widest head dim, BLOCK_M and pool element size.
 
@@ -104,7 +109,7 @@ def tuned_tile(head_dim: int, block_m: int, kv_bytes: int, page_size: int = 1) -
     if kv_bytes > 2:
         block_n, warps, stages, _ = tuned_tile(head_dim, block_m, 2, page_size)
         return max(16, block_n // 2), warps, min(stages, 2), k_rows(head_dim, block_m, kv_bytes, page_size)
-    row = paged_tile_row(head_dim, block_m, kv_bytes, page_size) or _nearest(head_dim, block_m, kv_bytes)
+    row = _tile_row(head_dim, block_m, kv_bytes, page_size)
     return row["block_n"], row["num_warps"], row["num_stages"], k_rows(head_dim, block_m, kv_bytes, page_size)
 
 
@@ -124,8 +129,7 @@ def k_rows(head_dim: int, block_m: int, kv_bytes: int, page_size: int = 1) -> bo
 
 def programs_per_sm(head_dim: int, block_m: int, kv_bytes: int, page_size: int = 1) -> int:
     """Programs of the verify kernel one SM holds at once (from the sweep's compiled kernels)."""
-    row = paged_tile_row(head_dim, block_m, kv_bytes, page_size) or _nearest(head_dim, block_m, kv_bytes)
-    return row["programs_per_sm"]
+    return _tile_row(head_dim, block_m, kv_bytes, page_size)["programs_per_sm"]
 
 
 #: Under the Triton interpreter (CPU tests): short slices, so that small test

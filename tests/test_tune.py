@@ -12,61 +12,67 @@ from splitkv.kernel import block_m_for, rows_per_tile
 from splitkv.testing import MODEL_SHAPES
 
 
-def test_committed_table_has_one_tile_per_model_and_pool_dtype():
+#: What a table row copies from the sweep record it was chosen from.
+TILE_FIELDS = ("block_n", "num_warps", "num_stages", "k_rows", "programs_per_sm")
+
+
+def _committed():
     with open(tuning.TABLE_PATH) as f:
-        rows = json.load(f)["tiles"]
-    keys = [(r["head_dim"], r["block_m"], r["kv_bytes"]) for r in rows]
+        return json.load(f)
+
+
+def _model_keys():
+    """(head dim, BLOCK_M) of every labelled model at 4 draft tokens."""
+    return [(s.head_dim, block_m_for(rows_per_tile(s.group, 4))) for s in MODEL_SHAPES.values()]
+
+
+def _chosen_from(row, sweep):
+    """The sweep records ``row`` was chosen among: its model, pool dtype and (paged rows) page size."""
+    kv_name = "float8_e4m3fn" if row["kv_bytes"] == 1 else "bfloat16"
+    records = [r for r in sweep if (r["model"], r["kv_dtype"], r.get("page_size", 1))
+               == (row["from_model"], kv_name, row.get("page_size", 1))]
+    best = min(records, key=lambda r: r["us"])
+    assert {f: row[f] for f in TILE_FIELDS} == {f: best[f] for f in TILE_FIELDS}, row
+    return records
+
+
+def test_committed_table_has_one_tile_per_model_and_pool_dtype():
+    keys = [(r["head_dim"], r["block_m"], r["kv_bytes"]) for r in _committed()["tiles"]]
     assert len(keys) == len(set(keys))
-    for s in MODEL_SHAPES.values():
-        block_m = block_m_for(rows_per_tile(s.group, 4))
+    for head_dim, block_m in _model_keys():
         for kv_bytes in (1, 2):
-            assert (s.head_dim, block_m, kv_bytes) in keys
+            assert (head_dim, block_m, kv_bytes) in keys
 
 
 def test_committed_paged_tiles_cover_every_model_and_page_size():
     """Paged rows for every model and pool dtype at every page size the breadth benchmark times."""
-    with open(tuning.TABLE_PATH) as f:
-        rows = json.load(f)["paged_tiles"]
-    keys = [(r["head_dim"], r["block_m"], r["kv_bytes"], r["page_size"]) for r in rows]
+    keys = [(r["head_dim"], r["block_m"], r["kv_bytes"], r["page_size"]) for r in _committed()["paged_tiles"]]
     assert len(keys) == len(set(keys))
-    for s in MODEL_SHAPES.values():
-        block_m = block_m_for(rows_per_tile(s.group, 4))
+    for head_dim, block_m in _model_keys():
         for kv_bytes in (1, 2):
             for page_size in PAGE_SIZES:
-                assert (s.head_dim, block_m, kv_bytes, page_size) in keys
+                assert (head_dim, block_m, kv_bytes, page_size) in keys
 
 
 def test_committed_paged_tiles_are_the_sweeps_fastest():
     """Each paged row is the fastest record of its (model, pool dtype, page size) in ``paged_tile_sweep``,
     over a grid with a fourth pipeline stage."""
-    with open(tuning.TABLE_PATH) as f:
-        table = json.load(f)
-    fields = ("block_n", "num_warps", "num_stages", "k_rows", "programs_per_sm")
+    table = _committed()
     for row in table["paged_tiles"]:
-        kv_name = "float8_e4m3fn" if row["kv_bytes"] == 1 else "bfloat16"
-        records = [r for r in table["paged_tile_sweep"]
-                   if (r["model"], r["kv_dtype"], r["page_size"]) == (row["from_model"], kv_name, row["page_size"])]
-        best = min(records, key=lambda r: r["us"])
-        assert {f: row[f] for f in fields} == {f: best[f] for f in fields}, row
+        records = _chosen_from(row, table["paged_tile_sweep"])
         assert {r["num_stages"] for r in records} == set(tune.PAGED_STAGES)
 
 
 def test_committed_tiles_are_the_sweeps_fastest():
     """Each tile row is the fastest record of its (model, pool dtype) in ``tile_sweep``, K layout included."""
-    with open(tuning.TABLE_PATH) as f:
-        table = json.load(f)
-    fields = ("block_n", "num_warps", "num_stages", "k_rows", "programs_per_sm")
+    table = _committed()
     for row in table["tiles"]:
-        kv_name = "float8_e4m3fn" if row["kv_bytes"] == 1 else "bfloat16"
-        records = [r for r in table["tile_sweep"] if (r["model"], r["kv_dtype"]) == (row["from_model"], kv_name)]
-        best = min(records, key=lambda r: r["us"])
-        assert {f: row[f] for f in fields} == {f: best[f] for f in fields}, row
+        records = _chosen_from(row, table["tile_sweep"])
         assert {r["k_rows"] for r in records} == {False, True}
 
 
 def test_tiles_only_replaces_one_pool_dtype_and_keeps_the_rest(tmp_path, monkeypatch):
-    with open(tuning.TABLE_PATH) as f:
-        table = json.load(f)
+    table = _committed()
     path = tmp_path / "table.json"
     path.write_text(json.dumps(table))
 
@@ -91,8 +97,7 @@ def test_tiles_only_replaces_one_pool_dtype_and_keeps_the_rest(tmp_path, monkeyp
 
 
 def test_paged_only_replaces_one_pool_dtypes_paged_rows(tmp_path, monkeypatch):
-    with open(tuning.TABLE_PATH) as f:
-        table = json.load(f)
+    table = _committed()
     path = tmp_path / "table.json"
     path.write_text(json.dumps(table))
     new_row = dict(head_dim=256, block_m=32, kv_bytes=2, page_size=16, block_n=16, from_model="m", us=1.0)
