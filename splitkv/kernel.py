@@ -127,6 +127,10 @@ __all__ = ["TileConfig", "tile_config", "rows_per_tile", "block_m_for", "LOG2E"]
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
+#: Who merges a tile's slices (the verify kernel's ``MERGE``): a second launch
+#: (``_merge_kernel``), the tile's last program, or merge programs in the same grid.
+SEPARATE_MERGE, LAST_PROGRAM, MERGE_PROGRAMS = 0, 1, 2
+
 
 @triton.jit
 def soft_cap(s, cap):
@@ -337,20 +341,29 @@ def _verify_kernel(
     HAS_SINKS: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     MERGE_UNROLL: tl.constexpr,  # slices the merging program loads per step
-    FUSED_MERGE: tl.constexpr,  # the tile's last program merges; else _merge_kernel does
+    MERGE: tl.constexpr,  # who merges a tile's slices: SEPARATE_MERGE, LAST_PROGRAM or MERGE_PROGRAMS
+    MERGE_ROWS: tl.constexpr,  # MERGE_PROGRAMS: tile rows per merge program
+    MERGE_DV: tl.constexpr,  # MERGE_PROGRAMS: value columns per merge program
     USE_PDL: tl.constexpr,  # let _merge_kernel launch while this grid drains
     DOT_PRECISION: tl.constexpr,
     DOT_F16: tl.constexpr,  # fp8 pool, bf16 queries: prefix dots in float16 (see "fp8 pools")
 ):
-    tile = tl.program_id(0)
-    split = tl.program_id(1)
+    n_tiles = tl.num_programs(0)
+    if MERGE == 2:  # MERGE_PROGRAMS: work goes by ticket, in the order programs start
+        ticket = tl.atomic_add(Counters + n_tiles, 1, sem="relaxed", scope="gpu")
+        tile = ticket % n_tiles
+        split = ticket // n_tiles  # >= n_splits: a merge program
+    else:
+        tile = tl.program_id(0)
+        split = tl.program_id(1)
     Part_LSE = Part_O + lse_offset
     HEAD_TILES: tl.constexpr = NUM_Q_HEADS // HEADS_PER_TILE
     b, head_tile, m_block, q_start, n_draft, kv_start, n_prefix, first_key, split_len, n_used = _tile_slices(
         tile, qo_indptr, kv_indptr, Last_Page_Len, num_tokens, kv_len, n_splits, min_split, window,
         HEAD_TILES, M_BLOCKS, BLOCK_N, SPLIT_TOKENS, PAGE_SIZE, HAS_WINDOW)
     kv_head = head_tile * HEADS_PER_TILE // GROUP
-    if (split < n_used) & (m_block * BLOCK_M < n_draft * HEADS_PER_TILE):
+    has_rows = m_block * BLOCK_M < n_draft * HEADS_PER_TILE
+    if (split < n_used) & has_rows:
         # Query rows: draft token l, query head h (see the module docstring).
         r = tl.arange(0, BLOCK_M)
         rows = m_block * BLOCK_M + r
@@ -500,7 +513,7 @@ def _verify_kernel(
             part = (tile.to(tl.int64) * n_splits + split) * BLOCK_M + r
             tl.store(Part_O + part[:, None] * V_HEAD_DIM + offs_dv[None, :], o_s, mask=dv_ok[None, :])
             tl.store(Part_LSE + part, lse_s)
-            if FUSED_MERGE:
+            if MERGE == 1:  # LAST_PROGRAM
                 tl.debug_barrier()  # every thread's stores issued before the release below
                 done = tl.atomic_add(Counters + tile, 1, sem="acq_rel", scope="gpu")
                 if done == n_used - 1:
@@ -512,8 +525,61 @@ def _verify_kernel(
                     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=out_mask)
                     if WRITE_LSE:
                         tl.store(LSE_Out + out_rows * NUM_Q_HEADS + h, lse2 * 0.6931471805599453, mask=row_ok)
+            if MERGE == 2:
+                tl.debug_barrier()
+                tl.atomic_add(Counters + tile, 1, sem="release", scope="gpu")  # one more slice published
+    if MERGE == 2:
+        # 4. Merge programs: wait for the tile's n_used slices, merge one block of rows x columns.
+        DV_CHUNKS: tl.constexpr = (V_HEAD_DIM + MERGE_DV - 1) // MERGE_DV
+        CHUNKS: tl.constexpr = (BLOCK_M + MERGE_ROWS - 1) // MERGE_ROWS * DV_CHUNKS
+        chunk = split - n_splits
+        if (chunk >= 0) & (n_used > 1) & has_rows:
+            # Every slice program took an earlier ticket, so it is running or done: this wait ends.
+            seen = tl.atomic_add(Counters + tile, 0, sem="acquire", scope="gpu")
+            while seen < n_used:
+                seen = tl.atomic_add(Counters + tile, 0, sem="acquire", scope="gpu")
+            _merge_chunk(O, LSE_Out, Sinks, Part_O, Part_LSE, tile, chunk // DV_CHUNKS, chunk % DV_CHUNKS,
+                         m_block, head_tile, q_start, n_draft, n_used, n_splits, stride_ot, stride_oh,
+                         NUM_Q_HEADS, HEADS_PER_TILE, V_HEAD_DIM, BLOCK_M, MERGE_ROWS, MERGE_DV,
+                         HAS_SINKS, WRITE_LSE, MERGE_UNROLL)
+            # The tile's last merge program zeroes its counter for the next launch.
+            if tl.atomic_add(Counters + tile, 1, sem="relaxed", scope="gpu") == n_used + CHUNKS - 1:
+                tl.atomic_xchg(Counters + tile, 0, sem="relaxed", scope="gpu")
+        # The grid's last program zeroes the ticket and exit counters.
+        if tl.atomic_add(Counters + n_tiles + 1, 1, sem="acq_rel", scope="gpu") == n_tiles * tl.num_programs(1) - 1:
+            tl.atomic_xchg(Counters + n_tiles, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(Counters + n_tiles + 1, 0, sem="relaxed", scope="gpu")
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _merge_chunk(O, LSE_Out, Sinks, Part_O, Part_LSE, tile, row_chunk, col_chunk, m_block, head_tile, q_start,
+                 n_draft, n_used, n_splits, stride_ot, stride_oh,
+                 NUM_Q_HEADS: tl.constexpr, HEADS_PER_TILE: tl.constexpr, V_HEAD_DIM: tl.constexpr,
+                 BLOCK_M: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_DV: tl.constexpr,
+                 HAS_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr, MERGE_UNROLL: tl.constexpr):
+    """Merge rows ``row_chunk * MERGE_ROWS + [0, MERGE_ROWS)`` x columns ``col_chunk * MERGE_DV + [0, MERGE_DV)``
+    of tile ``tile``'s ``n_used`` slices and write them to the output (the LSE from column chunk 0)."""
+    r = row_chunk * MERGE_ROWS + tl.arange(0, MERGE_ROWS)
+    rows = m_block * BLOCK_M + r
+    l = rows // HEADS_PER_TILE
+    h = head_tile * HEADS_PER_TILE + rows % HEADS_PER_TILE
+    row_ok = (l < n_draft) & (r < BLOCK_M)
+    offs_dv = col_chunk * MERGE_DV + tl.arange(0, MERGE_DV)
+    dv_ok = offs_dv < V_HEAD_DIM
+    acc, m, den = _merge_rows(Part_O, Part_LSE, tile.to(tl.int64) * n_splits * BLOCK_M, n_used,
+                              r, row_ok, offs_dv, dv_ok, BLOCK_M, V_HEAD_DIM, MERGE_UNROLL)
+    sink2 = 0.0
+    if HAS_SINKS:
+        sink2 = tl.load(Sinks + h, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    o, lse2 = _finish(acc, m, den, sink2, HAS_SINKS)
+    out_rows = (q_start + l).to(tl.int64)
+    tl.store(O + out_rows[:, None] * stride_ot + h[:, None] * stride_oh + offs_dv[None, :],
+             o.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+    if WRITE_LSE:
+        if col_chunk == 0:
+            tl.store(LSE_Out + out_rows * NUM_Q_HEADS + h, lse2 * 0.6931471805599453, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["lse_offset", "num_tokens", "kv_len", "n_splits", "min_split", "window"])
@@ -551,28 +617,12 @@ def _merge_kernel(
     b, head_tile, m_block, q_start, n_draft, kv_start, n_prefix, first_key, split_len, n_used = _tile_slices(
         tile, qo_indptr, kv_indptr, Last_Page_Len, num_tokens, kv_len, n_splits, min_split, window,
         HEAD_TILES, M_BLOCKS, BLOCK_N, SPLIT_TOKENS, PAGE_SIZE, HAS_WINDOW)
-    r = tl.program_id(1) * MERGE_ROWS + tl.arange(0, MERGE_ROWS)
-    rows = m_block * BLOCK_M + r
-    l = rows // HEADS_PER_TILE
-    h = head_tile * HEADS_PER_TILE + rows % HEADS_PER_TILE
-    row_ok = (l < n_draft) & (r < BLOCK_M)
     # Tiles with one slice were finished by the verify kernel itself.
     if (n_used > 1) & (tl.program_id(1) * MERGE_ROWS < BLOCK_M):
-        offs_dv = tl.program_id(2) * MERGE_DV + tl.arange(0, MERGE_DV)
-        dv_ok = offs_dv < V_HEAD_DIM
-        Part_LSE = Part_O + lse_offset
-        acc, m, den = _merge_rows(Part_O, Part_LSE, tile.to(tl.int64) * n_splits * BLOCK_M, n_used,
-                                  r, row_ok, offs_dv, dv_ok, BLOCK_M, V_HEAD_DIM, MERGE_UNROLL)
-        sink2 = 0.0
-        if HAS_SINKS:
-            sink2 = tl.load(Sinks + h, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-        o, lse2 = _finish(acc, m, den, sink2, HAS_SINKS)
-        out_rows = (q_start + l).to(tl.int64)
-        tl.store(O + out_rows[:, None] * stride_ot + h[:, None] * stride_oh + offs_dv[None, :],
-                 o.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
-        if WRITE_LSE:
-            if tl.program_id(2) == 0:
-                tl.store(LSE_Out + out_rows * NUM_Q_HEADS + h, lse2 * 0.6931471805599453, mask=row_ok)
+        _merge_chunk(O, LSE_Out, Sinks, Part_O, Part_O + lse_offset, tile, tl.program_id(1), tl.program_id(2),
+                     m_block, head_tile, q_start, n_draft, n_used, n_splits, stride_ot, stride_oh,
+                     NUM_Q_HEADS, HEADS_PER_TILE, V_HEAD_DIM, BLOCK_M, MERGE_ROWS, MERGE_DV,
+                     HAS_SINKS, WRITE_LSE, MERGE_UNROLL)
 
 
 class TileConfig:

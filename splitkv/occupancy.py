@@ -21,11 +21,11 @@ It mirrors, and must stay in step with:
 
   programs with ``split >= n_used`` exit at once, the program of slice
   ``n_used - 1`` also attends the draft block. When ``n_used > 1`` every
-  program of the tile writes a partial to scratch; with at most
-  ``FUSED_MAX_MERGE`` partial floats per tile (:func:`fused_merge`) the last one to
-  finish merges them in the same launch (which one that is depends on timing,
-  not on the grid), otherwise a second, spread merge launch
-  (:func:`merge_programs`) does;
+  program of the tile writes a partial to scratch, and :func:`merge_mode` says
+  who merges: the last one to finish (which one that is depends on timing,
+  not on the grid) while the tile's partials are few and its rows at most
+  16; else merge programs appended to the same grid, or (``one_launch=False``)
+  a second launch; :func:`merge_programs` lists the merge programs;
 * :mod:`splitkv.extend` -- the baseline grid ``(batch, H_Q, cdiv(L, BLOCK_M))``
   whose programs each walk a whole prefix.
 
@@ -52,7 +52,7 @@ __all__ = [
     "GpuLaunch",
     "gpu_launch",
     "MergeProgram",
-    "fused_merge",
+    "merge_mode",
     "merge_programs",
     "extend_programs",
     "prefix_bytes_read",
@@ -338,32 +338,33 @@ def verify_programs(
     return programs
 
 
-def fused_merge(n_splits: int, block_m: int, v_head_dim: int, one_launch: bool = True) -> bool:
-    """True when a launch of ``n_splits`` grid slices merges in the verify kernel itself.
+def merge_mode(n_splits: int, tiles: int, block_m: int, v_head_dim: int, one_launch: bool = True) -> Optional[int]:
+    """Who merges a launch's slices: the runner's rule, :func:`splitkv.runner.merge_mode`.
 
-    The runner's rule: one launch while a tile has at most
-    ``splitkv.runner.FUSED_MAX_BLOCK_M`` rows and its last program at most
-    ``splitkv.runner.FUSED_MAX_MERGE`` partial floats (``n_splits x BLOCK_M x
-    Dv``) to read (unless built with ``one_launch=False``), else a second
-    launch (:func:`merge_programs`) whose programs each merge a block of rows
-    and columns.
+    ``None`` (one slice: every tile finishes in registers), or one of
+    :mod:`splitkv.kernel`'s ``LAST_PROGRAM`` (the tile's last program, while
+    it has at most ``FUSED_MAX_BLOCK_M`` rows and ``FUSED_MAX_MERGE`` partial
+    floats to read), ``MERGE_PROGRAMS`` (merge programs after the slices' in
+    the same grid) and ``SEPARATE_MERGE`` (a second launch: ``one_launch=False``).
     """
-    from .runner import fused_merge_fits
+    from .runner import merge_mode as runner_merge_mode
 
-    return one_launch and fused_merge_fits(n_splits, block_m, v_head_dim)
+    return runner_merge_mode(n_splits, tiles, block_m, v_head_dim, one_launch)
 
 
 @dataclass(frozen=True)
 class MergeProgram:
-    """One program of the spread merge launch (grid ``(tiles, row chunks, column chunks)``).
+    """One merge program: in the verify grid (``MERGE_PROGRAMS``) or a second launch (``SEPARATE_MERGE``).
 
     Attributes:
-        index: position in launch order (axis 0, the tile, fastest).
+        index: position in launch order, the tile fastest (in the verify grid: its
+            ticket, after every slice program's).
         seq, head_tile, m_block: the tile whose slices it merges.
         row_chunk, col_chunk: its block of the tile's rows and of the value columns.
         rows: live rows it merges (0: it returns at once, e.g. a one-slice tile).
         columns: value columns it merges.
         slices: partials it reads per row (the tile's ``n_used``; 0 if it returns at once).
+        in_verify_grid: a program of the verify grid (``MERGE_PROGRAMS``), else of a second launch.
     """
 
     index: int
@@ -375,6 +376,7 @@ class MergeProgram:
     rows: int
     columns: int
     slices: int
+    in_verify_grid: bool = False
 
 
 def merge_programs(
@@ -395,38 +397,47 @@ def merge_programs(
     merge_rows: Optional[int] = None,
     merge_dv: Optional[int] = None,
 ) -> List[MergeProgram]:
-    """Every program of the spread merge launch; ``[]`` when the verify kernel merges itself.
+    """Every merge program of a launch; ``[]`` where the tiles' last programs merge (or nothing does).
 
     Arguments as for :func:`verify_programs`, plus ``v_head_dim`` and the
-    merge's block shape (default the runner's ``MERGE_ROWS x MERGE_DV``,
-    ``MERGE_DV`` capped at the padded value width).
+    merge's block shape (default the runner's: :func:`~splitkv.runner.grid_merge_rows`
+    x ``GRID_MERGE_DV`` in the verify grid, ``MERGE_ROWS x MERGE_DV`` in a second
+    launch, the columns capped at the padded value width). In the verify grid
+    the merge programs take the tickets after the ``tiles x n_splits`` slice
+    programs': block ``c`` of every tile, then block ``c + 1``; a second launch's
+    grid is ``(tiles, row chunks, column chunks)``.
     """
-    if fused_merge(n_splits, block_m, v_head_dim, one_launch):
-        return []
-    from .runner import MERGE_DV, MERGE_ROWS
+    from .kernel import MERGE_PROGRAMS, SEPARATE_MERGE
+    from .runner import GRID_MERGE_DV, MERGE_DV, MERGE_ROWS, grid_merge_rows
 
-    merge_rows = merge_rows or MERGE_ROWS
-    merge_dv = merge_dv or min(MERGE_DV, 1 << (max(1, v_head_dim) - 1).bit_length())
     max_len = max(extend_lens) if max_len_extend is None else max_len_extend
     per_tile = num_q_heads // num_kv_heads if pack_gqa else 1
     tiles = num_q_heads // per_tile
     m_blocks = cdiv(per_tile * max_len, block_m)
+    mode = merge_mode(n_splits, len(prefix_lens) * tiles * m_blocks, block_m, v_head_dim, one_launch)
+    if mode not in (MERGE_PROGRAMS, SEPARATE_MERGE):
+        return []
+    in_grid = mode == MERGE_PROGRAMS
+    merge_rows = merge_rows or (grid_merge_rows(n_splits) if in_grid else MERGE_ROWS)
+    merge_dv = merge_dv or min(GRID_MERGE_DV if in_grid else MERGE_DV, 1 << (max(1, v_head_dim) - 1).bit_length())
     row_chunks, col_chunks = cdiv(block_m, merge_rows), cdiv(v_head_dim, merge_dv)
     used = [_slicing(p, n_splits, block_n, min_split, split_tokens)[1] for p in prefix_lens]
+    # Launch order: in the verify grid, chunk = row_chunk x col_chunks + col_chunk, then the tile;
+    # in the second launch, the tile, then the row chunk, then the column chunk.
+    order = ([(c // col_chunks, c % col_chunks) for c in range(row_chunks * col_chunks)] if in_grid else
+             [(r, c) for c in range(col_chunks) for r in range(row_chunks)])
+    first = len(prefix_lens) * tiles * m_blocks * n_splits if in_grid else 0
     programs = []
-    index = 0
-    for col in range(col_chunks):
-        for chunk in range(row_chunks):
-            for b in range(len(prefix_lens)):
-                for tile in range(tiles):
-                    for m in range(m_blocks):
-                        live = per_tile * extend_lens[b] - m * block_m  # live rows of the tile
-                        lo = chunk * merge_rows
-                        rows = max(0, min(merge_rows, block_m - lo, live - lo)) if used[b] > 1 else 0
-                        columns = min(merge_dv, v_head_dim - col * merge_dv)
-                        programs.append(MergeProgram(index, b, tile, m, chunk, col, rows, columns,
-                                                     used[b] if rows else 0))
-                        index += 1
+    for chunk, col in order:
+        for b in range(len(prefix_lens)):
+            for tile in range(tiles):
+                for m in range(m_blocks):
+                    live = per_tile * extend_lens[b] - m * block_m  # live rows of the tile
+                    lo = chunk * merge_rows
+                    rows = max(0, min(merge_rows, block_m - lo, live - lo)) if used[b] > 1 else 0
+                    columns = min(merge_dv, v_head_dim - col * merge_dv)
+                    programs.append(MergeProgram(first + len(programs), b, tile, m, chunk, col, rows, columns,
+                                                 used[b] if rows else 0, in_grid))
     return programs
 
 

@@ -39,7 +39,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .checks import check_features, check_verify_inputs, check_verify_values, interpreting
-from .kernel import LOG2E, TileConfig, _merge_kernel, _verify_kernel, block_m_for, rows_per_tile, tile_config
+from .kernel import (LAST_PROGRAM, LOG2E, MERGE_PROGRAMS, SEPARATE_MERGE, TileConfig, _merge_kernel, _verify_kernel,
+                     block_m_for, rows_per_tile, tile_config)
 from .launch import Launcher, _specialization, alignment_bits
 from .occupancy import head_tiles as count_head_tiles
 from .splits import MAX_GRID_SPLITS, MAX_SPLITS, choose_n_splits, device_sm_count, fixed_n_splits, one_wave_n_splits
@@ -72,6 +73,18 @@ FUSED_MAX_BLOCK_M = 16
 #: at batch 1; 16 x 16 slower still). Loading more slices per step
 #: (``MERGE_UNROLL`` 16-64 instead of 4) was no faster.
 MERGE_ROWS, MERGE_DV = 4, 32
+#: Merge programs inside the verify grid (``MERGE_PROGRAMS``, with the verify
+#: kernel's warps) each merge a block of rows x ``GRID_MERGE_DV`` value columns:
+#: ``GRID_MERGE_ROWS[0]`` rows in launches of at most ``GRID_MERGE_FEW`` slices,
+#: else ``GRID_MERGE_ROWS[1]`` (:func:`grid_merge_rows`). Measured on the H200
+#: (bf16, CUDA-graph replays, 2026-12-01), against 4 x 32 and 16 x 64 blocks and
+#: the second launch: 8 x 64 was fastest with many slices (Qwen3-Next batch 1 /
+#: 4k, 31 slices: 23.6 us, 16 x 64 24.3, 4 x 32 26.0, second launch 24.8), 16 x 64
+#: with few (Qwen3-Next batch 32 / 1k, 4 slices: 42.6, 8 x 64 47.4, second
+#: launch 42.2; Qwen3-32B batch 8 / 4k: 54.3, 56.6, 54.6).
+GRID_MERGE_ROWS, GRID_MERGE_DV, GRID_MERGE_FEW = (16, 8), 64, 8
+#: Counters past a launch's tiles that the merge programs' launch uses: the ticket and the exit count.
+GRID_COUNTERS = 2
 #: Pools whose every element offset is below this gather in 32-bit address
 #: arithmetic (the kernel's ``OFFSETS_32``), larger ones in 64-bit. Measured on
 #: the H200 (bf16, batch 8 / 64k, CUDA-graph replays, 2026-12-01): Qwen3-Next
@@ -160,7 +173,8 @@ def workspace_bytes(
 ) -> int:
     """Bytes of a caller-owned workspace for calls of up to ``max_bs`` sequences.
 
-    ``tiles = max_bs x head_tiles`` counters (int32) followed by the partials
+    ``tiles = max_bs x head_tiles`` counters (int32), 2 more for the
+    grid's ticket and exit count, then (from a 16-byte boundary) the partials
     of ``tiles x max_splits x BLOCK_M`` rows of ``v_head_dim + 1`` float32
     (output and LSE), where ``BLOCK_M`` is the tile's row count
     (:func:`splitkv.kernel.block_m_for` of ``GROUP x max_len_extend``) and
@@ -183,7 +197,7 @@ def workspace_bytes(
     per_tile = num_q_heads // num_kv_heads if pack_gqa else 1
     block_m = block_m or block_m_for(rows_per_tile(per_tile, max_len_extend))
     tiles = max_bs * count_head_tiles(num_q_heads, num_kv_heads, max_len_extend, block_m, pack_gqa)
-    counter_bytes = -(-tiles * 4 // 16) * 16
+    counter_bytes = -(-(tiles + GRID_COUNTERS) * 4 // 16) * 16
     return counter_bytes + tiles * max_splits * block_m * (v_head_dim + 1) * 4
 
 
@@ -270,7 +284,7 @@ class VerifySplitKV:
                                    self._max_splits(), pack_gqa=pack_gqa, block_m=self.block_m)
             if workspace.device.type != self.device.type or workspace.numel() * workspace.element_size() < need:
                 raise ValueError(f"workspace must hold {need} bytes on {self.device}")
-            tiles = max_bs * self.head_tiles
+            tiles = max_bs * self.head_tiles + GRID_COUNTERS
             raw = workspace.view(torch.uint8).reshape(-1)
             counter_bytes = -(-tiles * 4 // 16) * 16
             self._ws_counters = raw[: tiles * 4].view(torch.int32)
@@ -485,6 +499,8 @@ class VerifyPlan:
         # The tile is fixed here, from this call's prefix; rebind() may change only the split count.
         prefix = self._prefix(kv_len, 0)
         self._small = r._small_batch(bs, k_buffer.dtype, prefix) is not None
+        self._spread = False  # merge in a second launch whatever merge_mode() says
+        self.merge: Optional[int] = None  # set by _pick_launchers
         self.config = cfg = r.config(k_buffer.dtype, bs, prefix, self.page_size)
         self._size(kv_len)
         if sm_scale is None:
@@ -565,9 +581,9 @@ class VerifyPlan:
         else:
             self.n_splits = r.n_splits(bs, self._prefix(kv_len, self.config.block_n), self._kv_dtype, self._small,
                                        self.page_size)
-        self.grid = (self._tiles, self.n_splits, 1)
         if self._tiles >= 2**31 or self.n_splits > MAX_GRID_SPLITS:
-            raise ValueError(f"grid {self.grid[:2]} exceeds CUDA's launch limits")
+            raise ValueError(f"grid {(self._tiles, self.n_splits)} exceeds CUDA's launch limits")
+        self._set_grid()
         rows = self._tiles * self.n_splits * self.config.block_m
         self.scratch_bytes = 0 if self.n_splits == 1 else rows * (r.v_head_dim + 1) * 4
         self._part_rows = rows
@@ -581,23 +597,38 @@ class VerifyPlan:
         prefix = mean_prefix(kv_len, self.page_size, self.batch_size)
         return prefix if self.window is None else min(prefix, self.window + block_n)
 
-    def _fusable(self) -> bool:
-        """Whether the last program merges alone (:func:`fused_merge_fits`)."""
-        return fused_merge_fits(self.n_splits, self.config.block_m, self.runner.v_head_dim)
+    def _merge_mode(self) -> Optional[int]:
+        """Who merges: ``None`` (one slice), ``LAST_PROGRAM``, ``MERGE_PROGRAMS`` or ``SEPARATE_MERGE``
+        (:func:`merge_mode`; ``SEPARATE_MERGE`` too once :meth:`_pick_launchers` was told to spread)."""
+        mode = merge_mode(self.n_splits, self._tiles, self.config.block_m, self.runner.v_head_dim,
+                          self.runner.one_launch)
+        return SEPARATE_MERGE if self._spread and mode is not None else mode
 
-    def _launch_kind(self) -> Tuple[bool, bool]:
-        """What the launchers are compiled for: (one launch, several slices)."""
-        return self.runner.one_launch and self._fusable(), self.n_splits > 1
+    def _launch_kind(self) -> Tuple[Optional[int], int]:
+        """What the launchers are compiled for: who merges, and the merge programs' rows."""
+        return self._merge_mode(), grid_merge_rows(self.n_splits)
+
+    def _set_grid(self) -> None:
+        """The verify grid: ``(tiles, n_splits)``, plus a tile's merge programs on axis 1 (``MERGE_PROGRAMS``)."""
+        extra = (merge_chunks(self.n_splits, self.config.block_m, self.runner.v_head_dim)
+                 if self.merge == MERGE_PROGRAMS else 0)
+        self.grid = (self._tiles, self.n_splits + extra, 1)
 
     def _pick_launchers(self, spread: bool = False) -> None:
-        """One launch (merge in the kernel) for few slices, else (or if ``spread``) verify + spread merge."""
+        """Fix who merges (:meth:`_merge_mode`; ``spread``: from now on a second launch) and the launchers."""
         r, cfg = self.runner, self.config
-        self.fused = r.one_launch and self._fusable() and not spread
+        self._spread = self._spread or spread
+        #: who merges the slices: None (one slice), LAST_PROGRAM, MERGE_PROGRAMS or SEPARATE_MERGE
+        self.merge = self._merge_mode()
+        #: one launch: no merge kernel follows the verify kernel
+        self.fused = self.merge != SEPARATE_MERGE
         pdl = self._pdl and not self.fused
-        consts = dict(self._constexprs, FUSED_MERGE=self.fused and self.n_splits > 1, USE_PDL=pdl,
+        consts = dict(self._constexprs, MERGE=self.merge or SEPARATE_MERGE, MERGE_ROWS=grid_merge_rows(self.n_splits),
+                      MERGE_DV=min(GRID_MERGE_DV, self._constexprs["BLOCK_DV"]), USE_PDL=pdl,
                       DOT_PRECISION=self._constexprs["DOT_PRECISION"])
         options = dict(self._options, **({"launch_pdl": True} if pdl else {}))
         self._launch = r._launcher(("verify",) + tuple(consts.values()) + (cfg,), consts, options, _verify_kernel)
+        self._set_grid()
         self._merge = None
         if not self.fused:
             c = self._constexprs
@@ -681,9 +712,9 @@ class VerifyPlan:
 
     def _resize(self, kv_len: int, custom_mask) -> None:
         if kv_len != self.kv_len:
-            kind = self._launch_kind()
+            launch = self._launch_kind()
             self._size(kv_len)
-            if self._launch_kind() != kind:  # e.g. one slice -> several: the kernel must now merge
+            if self._launch_kind() != launch:  # e.g. one slice -> several: the kernel must now merge
                 self._pick_launchers()
         self._set_scalars(kv_len, custom_mask)
 
@@ -750,8 +781,9 @@ class VerifyPlan:
             parts, cnt = r._ws_parts, r._ws_counters
         else:
             parts = self._new_partials()
-            cnt = (counters(self.device, self._tiles, None if stream is None else (self._dev_index, stream))
-                   if self.fused else parts)  # only the one-launch merge counts
+            cnt = (counters(self.device, self._tiles + GRID_COUNTERS,
+                            None if stream is None else (self._dev_index, stream))
+                   if self.fused else parts)  # only the one-launch merges count
             if cnt is None:  # a new stream inside a capture and no zeroed counters left: merge in a second launch
                 self._pick_launchers(spread=True)
                 cnt = parts
@@ -794,6 +826,38 @@ def mean_prefix(kv_len: int, page_size: int, batch_size: int) -> int:
 def fused_merge_fits(n_splits: int, block_m: int, v_head_dim: int) -> bool:
     """Whether a tile's last program merges its slices itself (one launch); see ``FUSED_MAX_MERGE``."""
     return block_m <= FUSED_MAX_BLOCK_M and n_splits * block_m * v_head_dim <= FUSED_MAX_MERGE
+
+
+def grid_merge_rows(n_splits: int) -> int:
+    """Tile rows per merge program in the verify grid (see ``GRID_MERGE_ROWS``)."""
+    return GRID_MERGE_ROWS[0] if n_splits <= GRID_MERGE_FEW else GRID_MERGE_ROWS[1]
+
+
+def merge_chunks(n_splits: int, block_m: int, v_head_dim: int) -> int:
+    """Merge programs per tile in the verify grid (``MERGE_PROGRAMS``): blocks of
+    :func:`grid_merge_rows` rows x ``GRID_MERGE_DV`` value columns."""
+    return -(-block_m // grid_merge_rows(n_splits)) * -(-v_head_dim // min(GRID_MERGE_DV, _next_pow2(v_head_dim)))
+
+
+def merge_mode(n_splits: int, tiles: int, block_m: int, v_head_dim: int, one_launch: bool = True) -> Optional[int]:
+    """Who merges a launch's slices.
+
+    ``None`` for one slice (each tile finishes in registers); with
+    ``one_launch=False``, ``SEPARATE_MERGE`` (a second launch); else
+    ``LAST_PROGRAM`` where :func:`fused_merge_fits`, else ``MERGE_PROGRAMS``
+    (merge programs in the verify grid) while the grid's programs fit CUDA's
+    axis-1 limit and a 32-bit ticket, else ``SEPARATE_MERGE``.
+    """
+    if n_splits == 1:
+        return None
+    if not one_launch:
+        return SEPARATE_MERGE
+    if fused_merge_fits(n_splits, block_m, v_head_dim):
+        return LAST_PROGRAM
+    extra = merge_chunks(n_splits, block_m, v_head_dim)
+    if n_splits + extra <= MAX_GRID_SPLITS and tiles * (n_splits + extra) < 2**31:
+        return MERGE_PROGRAMS
+    return SEPARATE_MERGE
 
 
 def _element_size(dtype: torch.dtype) -> int:

@@ -128,7 +128,8 @@ def poisoned_workspace_runner(problem, *, poison=float("nan"), max_bs=None, max_
     need = workspace_bytes(p.num_q_heads, p.num_kv_heads, p.v_head_dim, p.max_len_extend, max_bs,
                            max_splits, pack_gqa=kwargs.get("pack_gqa", True), block_m=probe.block_m)
     ws = torch.zeros(need // 4, dtype=torch.float32, device=DEVICE)
-    counter_bytes = -(-max_bs * probe.head_tiles * 4 // 16) * 16
+    counter_bytes = workspace_bytes(p.num_q_heads, p.num_kv_heads, p.v_head_dim, p.max_len_extend, max_bs, 0,
+                                    pack_gqa=kwargs.get("pack_gqa", True), block_m=probe.block_m)  # no partials
     ws[counter_bytes // 4:] = poison
     return VerifySplitKV(*shape, DEVICE, workspace=ws, **kwargs), ws
 
@@ -138,7 +139,11 @@ def scratch_views(runner, plan, workspace):
 
     The layout of :mod:`splitkv.kernel` ("Memory layout"); ``part_lse`` is in base 2.
     """
-    counter_bytes = -(-runner.max_bs * runner.head_tiles * 4 // 16) * 16
+    from splitkv import workspace_bytes
+
+    counter_bytes = workspace_bytes(runner.num_q_heads, runner.num_kv_heads, runner.v_head_dim,
+                                    runner.max_len_extend, runner.max_bs, 0, pack_gqa=runner.pack_gqa,
+                                    block_m=runner.block_m)  # the counters: the partials follow
     return partials_views(plan, workspace.view(torch.uint8)[counter_bytes:].view(torch.float32))
 
 

@@ -20,6 +20,7 @@ import torch
 
 from conftest import CUDA, all_counters_zero, assert_close, assert_matches_reference, gpu, last_plan
 from splitkv import VerifySplitKV, verify_splitkv_fwd, workspace_bytes
+from splitkv.kernel import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE
 from splitkv.testing import MODEL_SHAPES, make_problem, paged_problem, reference_attention, reference_for
 from splitkv.testing.graphs import capture_graph
 
@@ -62,8 +63,9 @@ REPLAY_LENGTHS = {
     ],
     1: [[24000], [0], [1], [129], [23999], [24000]],
 }
-#: (model, batch): Llama-3-8B at batch 4 merges in one launch; Qwen3-32B at batch 1 has
-#: 32 slices of 32-row tiles, past the one-launch limit: the spread merge (PDL) is captured.
+#: (model, batch): Llama-3-8B at batch 4 merges in its tiles' last programs; Qwen3-32B at
+#: batch 1 has 16 slices of 32-row tiles, merged by merge programs in the same grid (and, with
+#: ``one_launch=False``, by the second launch, PDL included).
 REPLAY_CASES = [("llama3-8b", 4), ("qwen3-32b", 1)]
 
 
@@ -112,14 +114,17 @@ def test_graph_replay_with_a_caller_workspace(model, bs, one_launch):
 
 # --- concurrency and repeatability ------------------------------------------------
 
-def test_two_streams_at_once_bitwise():
-    """Two problems on two streams, interleaved 30 times: each result bitwise equal to a lone run."""
-    problems = [model_problem("llama3-8b", [30000, 20000, 0, 3000], seed=1),
-                model_problem("llama3-8b", [25000, 1, 17000, 9000], seed=2)]
+@pytest.mark.parametrize("model,merge", [("llama3-8b", LAST_PROGRAM), ("qwen3-32b", MERGE_PROGRAMS)])
+def test_two_streams_at_once_bitwise(model, merge):
+    """Two problems on two streams, interleaved 30 times: each result bitwise equal to a lone run
+    (tiles merged by their last program, and by merge programs waiting on tickets and counters)."""
+    problems = [model_problem(model, [30000, 20000, 0, 3000], seed=1),
+                model_problem(model, [25000, 1, 17000, 9000], seed=2)]
     alone = []
     for p in problems:
         out = p.new_output()
         assert verify_splitkv_fwd(*p.args(out), **p.kwargs())
+        assert last_plan().merge == merge
         alone.append(out)
     torch.cuda.synchronize()
     for o, p in zip(alone, problems):
@@ -165,12 +170,15 @@ def test_fused_and_spread_merge_paths(n_splits, one_launch):
     p = model_problem("llama3-8b", [40000, 0, 300, 12000], sinks=True)
     need = workspace_bytes(p.num_q_heads, p.num_kv_heads, p.v_head_dim, p.max_len_extend, 4, n_splits)
     ws = torch.full((need // 4,), float("nan"), dtype=torch.float32, device="cuda")
-    runner0 = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend, 4, "cuda")
-    ws[: -(-4 * runner0.head_tiles * 4 // 16) * 4] = 0  # counters zero, partials NaN
+    counter_bytes = workspace_bytes(p.num_q_heads, p.num_kv_heads, p.v_head_dim, p.max_len_extend, 4, 0)
+    ws[: counter_bytes // 4] = 0  # counters zero, partials NaN
     runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend, 4, "cuda",
                            n_splits=n_splits, workspace=ws, one_launch=one_launch)
     out = p.new_output()
-    runner(*p.args(out)[:9], sm_scale=p.sm_scale, sinks=p.sinks)
+    plan = runner.plan(*p.args(out)[:3], *p.args(out)[4:9], sm_scale=p.sm_scale, sinks=p.sinks)
+    # 4 slices of 16-row tiles: the last program merges; 64: merge programs in the same grid.
+    assert plan.merge == (SEPARATE_MERGE if not one_launch else LAST_PROGRAM if n_splits == 4 else MERGE_PROGRAMS)
+    plan.run(*p.args(out)[:3], *p.args(out)[4:6], out=out)
     torch.cuda.synchronize()
     assert_matches_reference(out, p)
     assert int(torch.count_nonzero(runner._ws_counters)) == 0

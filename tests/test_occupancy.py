@@ -18,16 +18,18 @@ import torch
 from conftest import (
     DEVICE,
     MIN_SPLIT,
+    all_counters_zero,
     assert_matches_reference,
     partials_views,
     poisoned_workspace_runner,
     scratch_views,
 )
 from splitkv import VerifySplitKV
+from splitkv.kernel import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE
 from splitkv.occupancy import (
     cdiv,
     extend_programs,
-    fused_merge,
+    merge_mode,
     merge_programs,
     head_tiles,
     min_split_for,
@@ -172,20 +174,29 @@ def test_scratch_bytes_worked_example():
 
 
 def test_merge_programs_worked_example():
-    # One launch while the merging program reads at most 65536 floats (n_splits x BLOCK_M x Dv):
-    # 102 x 16 x 40 = 65280 fits, 103 x 16 x 40 = 65920 does not.
-    assert fused_merge(102, 16, 40) and not fused_merge(103, 16, 40)
-    assert not fused_merge(2, 16, 40, one_launch=False)
-    # 103 slices: a spread merge of 4-row x 32-column blocks. Sequence 0: 100 keys ->
-    # split_len max(roundup(1, 16), 32) = 32 -> 4 slices; its tile has 3 live rows (1 head x 3
-    # drafts) in row chunk 0; Dv 40 -> column chunks of 32 and 8. Sequence 1: 10 keys -> one
-    # slice, finished by the verify kernel: its merge programs exit.
+    # The last program merges while it reads at most 65536 floats (n_splits x BLOCK_M x Dv):
+    # 102 x 16 x 40 = 65280 fits, 103 x 16 x 40 = 65920 does not: merge programs in the grid.
+    assert merge_mode(102, 2, 16, 40) == LAST_PROGRAM and merge_mode(103, 2, 16, 40) == MERGE_PROGRAMS
+    assert merge_mode(2, 2, 32, 40) == MERGE_PROGRAMS  # 32-row tiles: never the last program
+    assert merge_mode(2, 2, 16, 40, one_launch=False) == SEPARATE_MERGE and merge_mode(1, 2, 16, 40) is None
+    # 103 slices: merge programs of 8 rows x 64 columns after the 2 x 103 slice programs.
+    # Sequence 0: 100 keys -> split_len max(roundup(1, 16), 32) = 32 -> 4 slices; its tile has
+    # 3 live rows (1 head x 3 drafts), all in row chunk 0; Dv 40 -> one column chunk.
+    # Sequence 1: 10 keys -> one slice, finished by its slice program: its merge programs exit.
     progs = merge_programs([100, 10], [3, 2], 1, 1, 103, block_m=16, block_n=16, v_head_dim=40, min_split=32)
-    assert len(progs) == 2 * 4 * 2  # tiles x row chunks x column chunks
+    assert len(progs) == 2 * 2 * 1 and all(m.in_verify_grid for m in progs)  # tiles x row chunks x column chunks
+    live = [(m.seq, m.row_chunk, m.col_chunk, m.rows, m.columns, m.slices) for m in progs if m.rows]
+    assert live == [(0, 0, 0, 3, 40, 4)]
+    assert [m.index for m in progs] == list(range(206, 210)) and progs[1].seq == 1  # tickets; the tile fastest
+    verify = verify_programs([100, 10], [3, 2], 1, 1, 103, block_m=16, block_n=16, min_split=32)
+    assert scratch_bytes(verify, 40, 16, progs) == (4 * 16 * 41 * 4, 3 * 4 * 41 * 4)
+    # A second launch (one_launch=False): 4-row x 32-column blocks, Dv 40 -> column chunks of 32 and 8.
+    progs = merge_programs([100, 10], [3, 2], 1, 1, 103, block_m=16, block_n=16, v_head_dim=40, min_split=32,
+                           one_launch=False)
+    assert len(progs) == 2 * 4 * 2 and not any(m.in_verify_grid for m in progs)
     live = [(m.seq, m.row_chunk, m.col_chunk, m.rows, m.columns, m.slices) for m in progs if m.rows]
     assert live == [(0, 0, 0, 3, 32, 4), (0, 0, 1, 3, 8, 4)]
     assert [m.index for m in progs] == list(range(16)) and progs[1].seq == 1  # the tile varies fastest
-    verify = verify_programs([100, 10], [3, 2], 1, 1, 103, block_m=16, block_n=16, min_split=32)
     assert scratch_bytes(verify, 40, 16, progs) == (4 * 16 * 41 * 4, 3 * 4 * (33 + 9) * 4)
     assert merge_programs([100, 10], [3, 2], 1, 1, 9, block_m=16, block_n=16, v_head_dim=40) == []
 
@@ -347,21 +358,21 @@ def test_mirror_matches_the_kernel_default_scratch(monkeypatch):
     _check_against_kernel(p, n_splits=5, monkeypatch=monkeypatch)
 
 
-@pytest.mark.parametrize("n_splits,dv,one_launch", [(33, 128, True), (4, 40, False)])
-def test_spread_merge_matches_the_mirror(n_splits, dv, one_launch):
-    """Past the one-launch limit (or with one_launch=False) the verify kernel leaves the rows of
-    multi-slice tiles to a second launch: skipping that launch leaves exactly the rows the
-    mirror's merge programs own unwritten; running it completes the output."""
+@pytest.mark.parametrize("n_splits,dv", [(33, 128), (4, 40)])
+def test_spread_merge_matches_the_mirror(n_splits, dv):
+    """With one_launch=False the verify kernel leaves the rows of multi-slice tiles to a second
+    launch: skipping that launch leaves exactly the rows the mirror's merge programs own
+    unwritten; running it completes the output."""
     p = make_problem([5 * MIN_SPLIT + 3, 0, MIN_SPLIT + 1, 9], [3, 2, 4, 1], 4, 2, dv, dtype=torch.float32,
                      device=DEVICE, seed=8)
     runner = VerifySplitKV(4, 2, dv, dv, p.max_len_extend, p.batch_size, DEVICE, n_splits=n_splits,
-                           one_launch=one_launch)
+                           one_launch=False)
     plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
                        p.kv_indices, sm_scale=p.sm_scale)
     cfg = plan.config
     kw = dict(block_m=cfg.block_m, block_n=cfg.block_n, min_split=min_split_for(cfg.block_n, MIN_SPLIT))
-    merge = merge_programs(p.prefix_lens, p.extend_lens, 4, 2, n_splits, v_head_dim=dv, one_launch=one_launch, **kw)
-    assert merge and not plan.fused
+    merge = merge_programs(p.prefix_lens, p.extend_lens, 4, 2, n_splits, v_head_dim=dv, one_launch=False, **kw)
+    assert merge and not plan.fused and plan.merge == SEPARATE_MERGE
     grids = []
 
     class MergeSkipped:  # stands for the merge launcher: records its grid, launches nothing
@@ -376,19 +387,57 @@ def test_spread_merge_matches_the_mirror(n_splits, dv, one_launch):
     plan._merge = MergeSkipped()  # the verify kernel alone
     out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
     assert len(grids) == 1 and grids[0][0] * grids[0][1] * grids[0][2] == len(merge)
-    from splitkv.runner import MERGE_DV, MERGE_ROWS
-
-    hpt, width = 2, min(MERGE_DV, dv if dv & (dv - 1) == 0 else 1 << dv.bit_length())
-    expected = torch.zeros(p.num_tokens, 4, dv, dtype=torch.bool)  # what the merge launch must write
-    for m in merge:
-        for r in range(m.row_chunk * MERGE_ROWS, m.row_chunk * MERGE_ROWS + m.rows):
-            row = m.m_block * cfg.block_m + r
-            token = p.qo_indptr[m.seq].item() + row // hpt
-            expected[token, m.head_tile * hpt + row % hpt, m.col_chunk * width: m.col_chunk * width + m.columns] = True
-    assert torch.equal(torch.isnan(out).cpu(), expected)
+    assert torch.equal(torch.isnan(out).cpu(), _merged_cells(merge, p, cfg.block_m, dv, n_splits))
     plan._merge = real_merge
     out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
     assert_matches_reference(out, p)
+
+
+def _merged_cells(merge, p, block_m, dv, n_splits):
+    """[tokens, H_Q, Dv] booleans: the output cells the mirror's merge programs write (2 heads per tile),
+    for the runner's block shapes (``GRID_MERGE_*`` in the verify grid, ``MERGE_*`` in a second launch)."""
+    from splitkv import runner
+
+    in_grid = merge[0].in_verify_grid
+    chunk_rows = runner.grid_merge_rows(n_splits) if in_grid else runner.MERGE_ROWS
+    width = min(runner.GRID_MERGE_DV if in_grid else runner.MERGE_DV, 1 << (dv - 1).bit_length())
+    cells = torch.zeros(p.num_tokens, 4, dv, dtype=torch.bool)
+    for m in merge:
+        for r in range(m.row_chunk * chunk_rows, m.row_chunk * chunk_rows + m.rows):
+            row = m.m_block * block_m + r
+            start = m.col_chunk * width
+            cells[p.qo_indptr[m.seq].item() + row // 2, m.head_tile * 2 + row % 2, start: start + m.columns] = True
+    return cells
+
+
+def test_merge_programs_in_the_verify_grid_match_the_mirror(monkeypatch):
+    """Past the last program's limit, merge programs join the verify grid: the grid's axis 1 holds the
+    slices and then each tile's merge blocks, the mirror lists as many, and together they cover every
+    row of every multi-slice tile; the result equals the oracle and leaves every counter at zero."""
+    import splitkv.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "FUSED_MAX_MERGE", 0)
+    p = make_problem([5 * MIN_SPLIT + 3, 0, MIN_SPLIT + 1, 9], [3, 2, 4, 1], 4, 2, 40, dtype=torch.float32,
+                     device=DEVICE, seed=9)
+    runner = VerifySplitKV(4, 2, 40, 40, p.max_len_extend, p.batch_size, DEVICE, n_splits=4)
+    plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
+                       p.kv_indices, sm_scale=p.sm_scale)
+    cfg = plan.config
+    kw = dict(block_m=cfg.block_m, block_n=cfg.block_n, min_split=min_split_for(cfg.block_n, MIN_SPLIT))
+    merge = merge_programs(p.prefix_lens, p.extend_lens, 4, 2, 4, v_head_dim=40, **kw)
+    assert plan.merge == MERGE_PROGRAMS and plan.fused and merge and all(m.in_verify_grid for m in merge)
+    tiles = plan.grid[0]
+    assert plan.grid[1] == 4 + len(merge) // tiles and [m.index for m in merge] == list(range(tiles * 4, tiles * plan.grid[1]))
+    verify = verify_programs(p.prefix_lens, p.extend_lens, 4, 2, 4, **kw)
+    multi = torch.zeros(p.num_tokens, 4, 40, dtype=torch.bool)  # cells of tiles cut into several slices
+    for v in verify:
+        if v.split == 0 and v.n_used > 1:
+            for row in range(v.m_block * cfg.block_m, v.m_block * cfg.block_m + v.rows):
+                multi[p.qo_indptr[v.seq].item() + row // 2, v.head_tile * 2 + row % 2] = True
+    assert multi.any() and torch.equal(_merged_cells(merge, p, cfg.block_m, 40, 4), multi)
+    out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    assert_matches_reference(out, p)
+    assert all_counters_zero()
 
 
 def test_mirror_matches_the_kernel_fixed_slices(monkeypatch):

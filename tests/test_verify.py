@@ -39,7 +39,7 @@ from splitkv import (
     workspace_bytes,
 )
 from splitkv.occupancy import min_split_for, n_used
-from splitkv.kernel import TileConfig
+from splitkv.kernel import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE, TileConfig
 from splitkv.testing import make_problem, paged_problem, reference_for, relative_error
 
 
@@ -613,30 +613,43 @@ def test_repeated_calls_bitwise_identical():
 
 
 def test_merge_path_and_shape_invariant_bits(monkeypatch):
-    """The in-kernel merge and the spread merge, in any program shape, give the same bits.
+    """Every way of merging, in any program shape, gives the same bits.
 
-    Both read the slices in the same order with the same per-element operations, so
-    the one-launch / two-launch choice (which follows the batch) and the spread
-    merge's block shape (``runner.MERGE_ROWS x MERGE_DV``) never change a result.
+    The tile's last program, merge programs in the verify grid, and a second
+    launch read the slices in the same order with the same per-element
+    operations, so the merge mode (which follows the batch and the tile) and
+    the merge programs' block shapes never change a result.
     """
     import splitkv.runner as runner_module
 
     p = make_problem(SLICED, SLICED_EXT, 4, 1, 32, mask="tree", sinks=True, device=DEVICE, seed=53)
     shape = (4, 1, 32, 32, p.max_len_extend, p.batch_size)
 
-    def run(one_launch, merge_shape=None):
-        if merge_shape is not None:
-            monkeypatch.setattr(runner_module, "MERGE_ROWS", merge_shape[0])
-            monkeypatch.setattr(runner_module, "MERGE_DV", merge_shape[1])
-        plan = plan_of(VerifySplitKV(*shape, DEVICE, n_splits=5, one_launch=one_launch), p, return_lse=True)
-        assert plan.fused == one_launch and max(slices_used(plan, p)) >= 2
-        return plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    def run(one_launch, expect, rows_dv=None, grid_rows_dv=None):
+        with monkeypatch.context() as m:
+            if expect == MERGE_PROGRAMS:
+                m.setattr(runner_module, "FUSED_MAX_MERGE", 0)  # past what the last program merges alone
+            if rows_dv is not None:
+                m.setattr(runner_module, "MERGE_ROWS", rows_dv[0])
+                m.setattr(runner_module, "MERGE_DV", rows_dv[1])
+            if grid_rows_dv is not None:
+                m.setattr(runner_module, "GRID_MERGE_ROWS", grid_rows_dv[0])
+                m.setattr(runner_module, "GRID_MERGE_DV", grid_rows_dv[1])
+            plan = plan_of(VerifySplitKV(*shape, DEVICE, n_splits=5, one_launch=one_launch), p, return_lse=True)
+            assert plan.merge == expect and plan.fused == one_launch and max(slices_used(plan, p)) >= 2
+            if expect == MERGE_PROGRAMS:
+                assert plan.grid[1] == 5 + runner_module.merge_chunks(5, plan.config.block_m, 32)
+            return plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
 
-    fused_o, fused_lse = run(True)
-    assert_matches_reference(fused_o, p)
+    last_o, last_lse = run(True, LAST_PROGRAM)
+    assert_matches_reference(last_o, p)
+    for grid_shape in (None, ((2, 2), 32), ((16, 16), 16)):
+        o, lse = run(True, MERGE_PROGRAMS, grid_rows_dv=grid_shape)
+        assert torch.equal(o, last_o) and torch.equal(lse, last_lse), grid_shape
+        assert all_counters_zero(), "merge programs leave the tile, ticket and exit counters at zero"
     for merge_shape in (None, (8, 32), (2, 16), (16, 8)):
-        o, lse = run(False, merge_shape)
-        assert torch.equal(o, fused_o) and torch.equal(lse, fused_lse), merge_shape
+        o, lse = run(False, SEPARATE_MERGE, rows_dv=merge_shape)
+        assert torch.equal(o, last_o) and torch.equal(lse, last_lse), merge_shape
     assert all_counters_zero()
 
 
