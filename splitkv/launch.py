@@ -119,6 +119,11 @@ class Launcher:
             self._compiled[key] = kernel
         return kernel
 
+    def spills(self, args: Sequence, grid) -> bool:
+        """Whether the kernel compiled for ``args`` spills registers to local memory
+        (compiling it if needed); ``False`` off the fast path (nothing is compiled there)."""
+        return self._fast and self.compiled(args, grid).n_spills > 0
+
     def __call__(self, grid: Tuple[int, int, int], args: Sequence, stream=None, key=None) -> None:
         """Launch on the current CUDA stream (or ``stream``, a raw handle).
 

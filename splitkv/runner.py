@@ -83,6 +83,11 @@ MERGE_ROWS, MERGE_DV = 4, 32
 #: with few (Qwen3-Next batch 32 / 1k, 4 slices: 42.6, 8 x 64 47.4, second
 #: launch 42.2; Qwen3-32B batch 8 / 4k: 54.3, 56.6, 54.6).
 GRID_MERGE_ROWS, GRID_MERGE_DV, GRID_MERGE_FEW = (16, 8), 64, 8
+#: Merge programs share the verify kernel's registers. Where the compiled kernel
+#: with them spills, a plan merges in a second launch instead: Qwen3-Next's fp8
+#: tile (255 registers) spilled 50 values with them and 20 without, batch 8 / 64k
+#: 355.6 against 314.2 us (H200, 2026-12-01); the bf16 tiles and Qwen3-32B's fp8
+#: tile do not spill either way (Qwen3-Next bf16: 224 -> 237 registers).
 #: Counters past a launch's tiles that the merge programs' launch uses: the ticket and the exit count.
 GRID_COUNTERS = 2
 #: Pools whose every element offset is below this gather in 32-bit address
@@ -802,8 +807,14 @@ class VerifyPlan:
                                                       lse_offset, p_cnt, *self._tail, s_ot, s_oh), stream):
             if parts is None:  # held by no one past this call (a plan may be made inside a graph's pool)
                 parts = cnt = torch.empty(1, dtype=torch.float32, device=self.device)
-            self._launch(self.grid, (q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg, *self._meta,
-                                     parts, lse_offset, cnt, *self._tail, s_ot, s_oh), stream, key)  # compiles
+            args = (q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg, *self._meta,
+                    parts, lse_offset, cnt, *self._tail, s_ot, s_oh)
+            if self.merge == MERGE_PROGRAMS and self._launch.spills(args, self.grid):
+                # The merge programs' code must not push the slices' loop into spilling
+                # (see GRID_MERGE_ROWS): merge in a second launch instead.
+                self._pick_launchers(spread=True)
+                return self._run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg)
+            self._launch(self.grid, args, stream, key)  # compiles
         if self._merge is not None:
             # Arguments: out, lse, qo_indptr, kv_indptr, last-page lengths, sinks, partials, then the
             # scalars num_tokens, kv_len, n_splits, min_split, window and the output strides. A subset

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import CUDA, all_counters_zero, assert_close, assert_matches_reference, gpu, last_plan
-from splitkv import VerifySplitKV, verify_splitkv_fwd, workspace_bytes
+from splitkv import VerifySplitKV, verify_attention, verify_splitkv_fwd, workspace_bytes
 from splitkv.kernel import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE
 from splitkv.testing import MODEL_SHAPES, make_problem, paged_problem, reference_attention, reference_for
 from splitkv.testing.graphs import capture_graph
@@ -206,6 +206,22 @@ def test_more_than_65536_tiles():
     assert verify_splitkv_fwd(*p.args(drop_in), **p.kwargs(), max_bs=bs)
     torch.cuda.synchronize()
     assert_close(drop_in, ref, BF16, "drop-in")
+    assert all_counters_zero()
+
+
+@pytest.mark.parametrize("kv_dtype,merge", [(BF16, MERGE_PROGRAMS), (torch.float8_e4m3fn, SEPARATE_MERGE)])
+def test_merge_programs_only_where_the_kernel_keeps_its_registers(kv_dtype, merge):
+    """Qwen3-Next at batch 1 / 16k: 32-row tiles of many slices. The bf16 kernel with merge programs
+    spills nothing and keeps them; the fp8 one spills with them, so its plan merges in a second
+    launch. Either way the bits are those of one_launch=False and the result the oracle's."""
+    p = model_problem("qwen3-next", [16000], kv_dtype=kv_dtype, k_scale=0.7, v_scale=1.3, sinks=True)
+    out = p.new_output()
+    assert verify_splitkv_fwd(*p.args(out), **p.kwargs())
+    assert last_plan().merge == merge and last_plan().n_splits > 8
+    spread = verify_attention(*p.args(p.new_output()), **p.kwargs(), one_launch=False)
+    torch.cuda.synchronize()
+    assert torch.equal(out, spread)
+    assert_matches_reference(out, p)
     assert all_counters_zero()
 
 
