@@ -1,4 +1,4 @@
-"""The split-KV verify kernel: one launch, prefix slices merged by the last program.
+"""The split-KV verify kernel: one launch, prefix slices merged in the same grid.
 
 What one launch computes. Sequence ``b`` has ``n_draft`` draft tokens (rows
 ``qo_indptr[b]:qo_indptr[b+1]`` of ``q_extend``/``k_extend``/``v_extend``) and a
@@ -11,7 +11,8 @@ The grid is ``(tiles, n_splits)``:
 
 * axis 0 (``tiles = batch x head_tiles x m_blocks``, up to 2^31 - 1) picks a
   *tile*: one sequence, one KV head, a block of query rows;
-* axis 1 (``n_splits`` <= 65535) picks a *slice* of that sequence's prefix.
+* axis 1 (``n_splits`` <= 65535) picks a *slice* of that sequence's prefix
+  (with ``MERGE_PROGRAMS``, the tile's merge programs follow: see "Merging").
 
 GQA packing. A KV head serves ``GROUP`` query heads; one tile takes all of
 them, times the draft tokens, as the rows of its query block::
@@ -45,29 +46,42 @@ only keys ``[first_key, n_prefix)``, ``first_key`` being the first key draft
 0 sees rounded down to a whole key tile: keys before it are never read, so a
 long prefix under a short window costs the window.
 
-Merging in the same launch. With ``n_used == 1`` the tile's only program
-normalises and writes the output itself. Otherwise every program writes its
-slice's normalised output ``o_s`` and log-sum-exp ``lse_s`` to scratch, then
-increments the tile's counter in global memory (an atomic with acquire-release
-ordering, after a barrier so all its threads' stores are done). The program
-that sees ``n_used - 1`` is the last: every slice is written, so it merges::
+Merging. With ``n_used == 1`` the tile's only program normalises and writes
+the output itself. Otherwise every program writes its slice's normalised
+output ``o_s`` and log-sum-exp ``lse_s`` to scratch, and the slices are merged::
 
     lse = log sum_s exp(lse_s)          o = sum_s exp(lse_s - lse) * o_s
 
-reading the slices in order ``s = 0, 1, ...`` whichever program finished
-last, so results are bitwise identical run to run. It then sets the counter
-back to 0, so the next launch (a CUDA-graph replay too) finds it zeroed
-without a memset. Attention sinks add ``exp(sink)`` to the denominator once,
-at the end.
+always reading them in order ``s = 0, 1, ...``, so results are bitwise
+identical run to run whoever merges. ``MERGE`` says who (attention sinks add
+``exp(sink)`` to the denominator once, at the end):
 
-Or in a second launch. One program reading every slice of its tile is slow
-when there are many (small batches cut short prefixes into dozens of
-slices). Past ``splitkv.runner.FUSED_MAX_MERGE`` partial floats per tile the
-runner launches this kernel with ``FUSED_MERGE = False`` (programs only
-publish) and then ``_merge_kernel``, whose grid spreads each tile's merge over
-blocks of rows and columns, as a programmatic dependent launch (it starts
-while this grid drains and waits for it in hardware). Both merges share
-``_tile_slices`` and ``_merge_rows``: same slices, same order, same bits.
+* ``LAST_PROGRAM``: each program, having written its slice, increments the
+  tile's counter in global memory (an atomic with acquire-release ordering,
+  after a barrier so all its threads' stores are done). The program that sees
+  ``n_used - 1`` is the last: every slice is written, so it merges, then sets
+  the counter back to 0, so the next launch (a CUDA-graph replay too) finds it
+  zeroed without a memset. One program reads every slice of its tile: fine
+  while they are few (``splitkv.runner.FUSED_MAX_MERGE``).
+* ``MERGE_PROGRAMS``: for many slices, the grid's axis 1 holds the
+  ``n_splits`` slices and then, per tile, merge programs that each merge a
+  block of ``MERGE_ROWS`` rows x ``MERGE_DV`` value columns. Work goes by
+  *ticket*: every program first takes the next number of a counter, and
+  ticket ``t`` does the work of grid cell ``(t % tiles, t // tiles)``. Every
+  merge program's ticket is later than every slice program's, so when a merge
+  program waits (spinning on its tile's counter until ``n_used`` slices are
+  published) each slice it waits for has taken its ticket: it is already
+  running, and it waits for nothing, so the wait ends however the hardware
+  schedules programs. The tile's last merge program zeroes the tile's
+  counter, and the grid's last program (an exit counter) zeroes the ticket
+  and exit counters, which sit just past the tiles' counters.
+* ``SEPARATE_MERGE``: programs only publish; ``_merge_kernel`` merges in a
+  second launch, whose grid spreads each tile's merge over blocks of rows and
+  columns, as a programmatic dependent launch (it starts while this grid
+  drains and waits for it in hardware). It needs no counters.
+
+All three share ``_tile_slices`` and ``_merge_rows``: same slices, same order,
+same bits.
 
 Memory layout. Pool rows ``[pool_tokens, H_KV, D]`` are gathered through
 ``kv_indices``. The dot wants K as ``[D, BLOCK_N]``: it is either loaded that
@@ -87,7 +101,7 @@ head + column) are 32-bit where every element of both pools lies below 2^31
 The 32-bit form needs fewer registers and instructions per gathered row
 (Qwen3-Next on the H200, batch 8 / 64k: 3-4 % faster in pages of 16 or 64).
 
-Scratch (float32) is per tile and slice, so the merging program reads one
+Scratch (float32) is per tile and slice, so a tile's merge reads one
 block::
 
     part_o  [tiles, n_splits, BLOCK_M, V_HEAD_DIM]
@@ -127,9 +141,12 @@ __all__ = ["TileConfig", "tile_config", "rows_per_tile", "block_m_for", "LOG2E"]
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
-#: Who merges a tile's slices (the verify kernel's ``MERGE``): a second launch
-#: (``_merge_kernel``), the tile's last program, or merge programs in the same grid.
-SEPARATE_MERGE, LAST_PROGRAM, MERGE_PROGRAMS = 0, 1, 2
+#: ``MERGE``, who merges a tile's slices (see "Merging"): a second launch (``_merge_kernel``).
+SEPARATE_MERGE = 0
+#: ``MERGE``: the tile's last program to finish.
+LAST_PROGRAM = 1
+#: ``MERGE``: merge programs in the verify grid, after the slices' programs.
+MERGE_PROGRAMS = 2
 
 
 @triton.jit
@@ -342,8 +359,8 @@ def _verify_kernel(
     WRITE_LSE: tl.constexpr,
     MERGE_UNROLL: tl.constexpr,  # slices the merging program loads per step
     MERGE: tl.constexpr,  # who merges a tile's slices: SEPARATE_MERGE, LAST_PROGRAM or MERGE_PROGRAMS
-    MERGE_ROWS: tl.constexpr,  # MERGE_PROGRAMS: tile rows per merge program
-    MERGE_DV: tl.constexpr,  # MERGE_PROGRAMS: value columns per merge program
+    MERGE_ROWS: tl.constexpr,  # MERGE_PROGRAMS: tile rows per merge program (else unused)
+    MERGE_DV: tl.constexpr,  # MERGE_PROGRAMS: value columns per merge program (else unused)
     USE_PDL: tl.constexpr,  # let _merge_kernel launch while this grid drains
     DOT_PRECISION: tl.constexpr,
     DOT_F16: tl.constexpr,  # fp8 pool, bf16 queries: prefix dots in float16 (see "fp8 pools")
@@ -508,7 +525,7 @@ def _verify_kernel(
             if WRITE_LSE:
                 tl.store(LSE_Out + out_rows * NUM_Q_HEADS + h, lse2 * 0.6931471805599453, mask=row_ok)
         else:
-            # 3b. Publish this slice; the last program of the tile merges.
+            # 3b. Publish this slice for the merge (see "Merging").
             o_s, lse_s = _finish(acc, m_i, l_i, sink2, False)
             part = (tile.to(tl.int64) * n_splits + split) * BLOCK_M + r
             tl.store(Part_O + part[:, None] * V_HEAD_DIM + offs_dv[None, :], o_s, mask=dv_ok[None, :])
@@ -525,10 +542,10 @@ def _verify_kernel(
                     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=out_mask)
                     if WRITE_LSE:
                         tl.store(LSE_Out + out_rows * NUM_Q_HEADS + h, lse2 * 0.6931471805599453, mask=row_ok)
-            if MERGE == 2:
-                tl.debug_barrier()
+            if MERGE == 2:  # MERGE_PROGRAMS
+                tl.debug_barrier()  # every thread's stores issued before the release below
                 tl.atomic_add(Counters + tile, 1, sem="release", scope="gpu")  # one more slice published
-    if MERGE == 2:
+    if MERGE == 2:  # MERGE_PROGRAMS
         # 4. Merge programs: wait for the tile's n_used slices, merge one block of rows x columns.
         DV_CHUNKS: tl.constexpr = (V_HEAD_DIM + MERGE_DV - 1) // MERGE_DV
         CHUNKS: tl.constexpr = (BLOCK_M + MERGE_ROWS - 1) // MERGE_ROWS * DV_CHUNKS

@@ -11,9 +11,11 @@ launches, with almost no Python in between. This is the shape of
 FlashInfer's wrappers: plan once per step, run once per layer.
 
 Scratch. A call whose prefixes are cut into several slices needs float32
-scratch for the slices' partial outputs and LSEs, plus one int32 counter per
-tile that the kernel's last program uses to find out it is last (see
-:mod:`splitkv.kernel`). Two ways to provide them:
+scratch for the slices' partial outputs and LSEs, plus int32 counters: one
+per tile, which the kernel's last program uses to find out it is last, or its
+merge programs to wait for the slices, and two more for the merge programs'
+tickets and exit count (see "Merging" in :mod:`splitkv.kernel`; :func:`merge_mode`
+says which a launch uses). Two ways to provide them:
 
 * default: the partials come from PyTorch's caching allocator on every run.
   Under CUDA-graph capture that memory belongs to the graph's private pool
@@ -22,8 +24,8 @@ tile that the kernel's last program uses to find out it is last (see
   memory never grows with streams or batch sizes. The counters must start at
   zero and be kept between calls: each stream gets a slice (4 bytes per
   tile) of a per-device arena zeroed before any capture (:func:`counters`),
-  and every launch leaves them zeroed. The spread merge (a second launch,
-  see :mod:`splitkv.kernel`) needs no counters.
+  and every launch leaves them zeroed. The merge in a second launch
+  (``SEPARATE_MERGE``) needs no counters.
 * a caller-owned ``workspace`` (see :func:`workspace_bytes`), for engines
   that allocate everything up front: counters and partials are carved from
   it, nothing is allocated per call. The caller allocates it zeroed
@@ -86,8 +88,8 @@ GRID_MERGE_ROWS, GRID_MERGE_DV, GRID_MERGE_FEW = (16, 8), 64, 8
 #: Merge programs share the verify kernel's registers. Where the compiled kernel
 #: with them spills, a plan merges in a second launch instead: Qwen3-Next's fp8
 #: tile (255 registers) spilled 50 values with them and 20 without, batch 8 / 64k
-#: 355.6 against 314.2 us (H200, 2026-12-01); the bf16 tiles and Qwen3-32B's fp8
-#: tile do not spill either way (Qwen3-Next bf16: 224 -> 237 registers).
+#: 355.6 against 314.2 us (H200, 2026-12-01); Qwen3-Next's bf16 tile and
+#: Qwen3-32B's fp8 tile do not spill either way (Qwen3-Next bf16: 224 -> 237 registers).
 #: Counters past a launch's tiles that the merge programs' launch uses: the ticket and the exit count.
 GRID_COUNTERS = 2
 #: Pools whose every element offset is below this gather in 32-bit address
@@ -229,12 +231,12 @@ class VerifySplitKV:
             sequence's output is then bitwise the same in any batch).
         workspace: caller-owned zeroed bytes of at least :func:`workspace_bytes`
             (default: per-call allocation, see the module docstring).
-        one_launch: merge in the verify kernel when a tile has at most
-            ``FUSED_MAX_BLOCK_M`` rows and its partials at most
-            ``FUSED_MAX_MERGE`` floats (default). ``False`` always merges in
-            a second launch, which needs no counters: the custom op uses it,
-            since ``torch.compile``'s CUDA-graph trees allow no memory that
-            outlives a graph except its outputs.
+        one_launch: merge in the verify launch (default): by the tile's last
+            program, or by merge programs in the same grid (:func:`merge_mode`).
+            ``False`` always merges in a second launch, which needs no
+            counters: the custom op uses it, since ``torch.compile``'s
+            CUDA-graph trees allow no memory that outlives a graph except its
+            outputs.
 
     Calling the runner plans and runs in one go; see :meth:`plan` to reuse a plan.
     """
@@ -471,7 +473,10 @@ class VerifyPlan:
     Attributes:
         batch_size: sequences in the step.
         n_splits: the grid's prefix slices.
-        grid: ``(tiles, n_splits)``.
+        grid: ``(tiles, n_splits)``, plus each tile's merge programs on axis 1
+            when ``merge`` is ``MERGE_PROGRAMS``.
+        merge: who merges the slices (:func:`merge_mode`; ``None`` for one slice).
+        fused: one launch (no merge kernel follows).
         config: the tile shape.
         scratch_bytes: float32 partials one run needs (0 with one slice).
         offsets_32: whether the pools are small enough for 32-bit gather
@@ -610,8 +615,10 @@ class VerifyPlan:
         return SEPARATE_MERGE if self._spread and mode is not None else mode
 
     def _launch_kind(self) -> Tuple[Optional[int], int]:
-        """What the launchers are compiled for: who merges, and the merge programs' rows."""
-        return self._merge_mode(), grid_merge_rows(self.n_splits)
+        """What the launchers are compiled for: who merges, and the merge programs' rows (without merge
+        programs a fixed value, unused, so that the slice count does not make other variants)."""
+        mode = self._merge_mode()
+        return mode, grid_merge_rows(self.n_splits) if mode == MERGE_PROGRAMS else GRID_MERGE_ROWS[0]
 
     def _set_grid(self) -> None:
         """The verify grid: ``(tiles, n_splits)``, plus a tile's merge programs on axis 1 (``MERGE_PROGRAMS``)."""
@@ -624,11 +631,11 @@ class VerifyPlan:
         r, cfg = self.runner, self.config
         self._spread = self._spread or spread
         #: who merges the slices: None (one slice), LAST_PROGRAM, MERGE_PROGRAMS or SEPARATE_MERGE
-        self.merge = self._merge_mode()
+        self.merge, rows = self._launch_kind()
         #: one launch: no merge kernel follows the verify kernel
         self.fused = self.merge != SEPARATE_MERGE
         pdl = self._pdl and not self.fused
-        consts = dict(self._constexprs, MERGE=self.merge or SEPARATE_MERGE, MERGE_ROWS=grid_merge_rows(self.n_splits),
+        consts = dict(self._constexprs, MERGE=self.merge or SEPARATE_MERGE, MERGE_ROWS=rows,
                       MERGE_DV=min(GRID_MERGE_DV, self._constexprs["BLOCK_DV"]), USE_PDL=pdl,
                       DOT_PRECISION=self._constexprs["DOT_PRECISION"])
         options = dict(self._options, **({"launch_pdl": True} if pdl else {}))

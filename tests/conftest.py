@@ -394,8 +394,9 @@ def run_case_unchecked(case):
     """Run one malformed call unchecked through every entry; assert it stayed in bounds.
 
     Entries: ``verify_attention(check=False)``, ``verify_splitkv_fwd(check=False)``
-    and a runner forced to 4 slices, merging in the kernel and in a second
-    launch (``one_launch=False``). Each may decline with a ``ValueError``
+    and a runner forced to 4 slices, merging by the tiles' last programs (or
+    its default), by merge programs in the grid, and in a second launch
+    (``one_launch=False``). Each may decline with a ``ValueError``
     (shapes the gate or plan refuses); when it launches, the guards must be
     intact, the output finite (no NaN read from a guard), the counters back at
     zero, and the rows ``case["expect"]`` names equal to the oracle's.
@@ -414,16 +415,24 @@ def run_case_unchecked(case):
         if not verify_splitkv_fwd(*p.args(out), **p.kwargs(), check=False):
             raise ValueError("declined")
 
-    def entry_runner(out, one_launch=True):
-        runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
-                               p.batch_size, DEVICE, n_splits=4, one_launch=one_launch)
-        plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
-                           p.kv_indices, p.custom_mask, p.mask_indptr, p.is_causal, sm_scale=p.sm_scale,
-                           k_scale=p.k_scale, v_scale=p.v_scale, sinks=p.sinks)
-        plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=out)
+    def entry_runner(out, one_launch=True, merge_programs=False):
+        from unittest import mock
+
+        from splitkv import runner as runner_module
+
+        # merge_programs: past what a last program merges alone, so the grid's merge programs wait on
+        # the slices' counters (a mismatch with the malformed metadata would hang, not just be wrong).
+        with mock.patch.object(runner_module, "FUSED_MAX_MERGE", 0 if merge_programs else runner_module.FUSED_MAX_MERGE):
+            runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
+                                   p.batch_size, DEVICE, n_splits=4, one_launch=one_launch)
+            plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr,
+                               p.kv_indptr, p.kv_indices, p.custom_mask, p.mask_indptr, p.is_causal,
+                               sm_scale=p.sm_scale, k_scale=p.k_scale, v_scale=p.v_scale, sinks=p.sinks)
+            plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=out)
 
     for name, entry in (("verify_attention", entry_attention), ("drop-in", entry_drop_in),
                         ("runner", entry_runner),
+                        ("runner, merge programs", lambda out: entry_runner(out, merge_programs=True)),
                         ("runner, spread merge", lambda out: entry_runner(out, one_launch=False))):
         what = f"{case['name']} / {name}"
         out = wrapper.fresh_output()

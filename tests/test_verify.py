@@ -515,6 +515,43 @@ def test_production_path_several_slices(feature, dtype):
     assert untouched_outside(backing2, p) and all_counters_zero()
 
 
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_merge_programs_with_every_feature(feature):
+    """32-row tiles (8 query heads per KV head x 4 drafts) cut into several slices are merged by
+    merge programs in the verify grid: oracle parity with every feature, the LSE too, the bits of
+    the second launch, and every counter (tiles, ticket, exit count) back at zero."""
+    p = make_problem(SLICED, SLICED_EXT, 8, 1, 32, dtype=torch.float32, device=DEVICE, seed=17, **FEATURES[feature])
+    out, lse = verify_attention(*p.args(p.new_output()), **p.kwargs(), return_lse=True)
+    plan = last_plan()
+    assert plan.merge == MERGE_PROGRAMS and plan.fused and max(slices_used(plan, p)) >= 2
+    assert plan.grid[1] > plan.n_splits  # the merge programs follow the slices on axis 1
+    assert_matches_reference(out, p)
+    assert all_counters_zero()
+    spread_o, spread_lse = verify_attention(*p.args(p.new_output()), **p.kwargs(), return_lse=True, one_launch=False)
+    assert last_plan().merge == SEPARATE_MERGE
+    assert torch.equal(spread_o, out) and torch.equal(spread_lse, lse)
+
+
+def test_merge_programs_give_way_when_the_kernel_spills(monkeypatch):
+    """A plan whose compiled kernel would spill registers with merge programs merges in a second
+    launch instead, from its first run on: same bits, counters untouched."""
+    from splitkv.launch import Launcher
+
+    p = make_problem(SLICED, SLICED_EXT, 8, 1, 32, sinks=True, device=DEVICE, seed=18)
+    shape = (8, 1, 32, 32, p.max_len_extend, p.batch_size)
+    plan = plan_of(VerifySplitKV(*shape, DEVICE), p)
+    assert plan.merge == MERGE_PROGRAMS
+    monkeypatch.setattr(Launcher, "spills", lambda self, args, grid: True)
+    out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    assert plan.merge == SEPARATE_MERGE and not plan.fused and plan.grid[1] == plan.n_splits
+    again = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    spread = plan_of(VerifySplitKV(*shape, DEVICE, one_launch=False), p)
+    ref = spread.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    assert torch.equal(out, ref) and torch.equal(again, ref)
+    assert_matches_reference(out, p)
+    assert all_counters_zero()
+
+
 def test_several_slices_are_really_used():
     """The plan's grid has several slices and long prefixes get several of them."""
     p = make_problem(SLICED, 4, 4, 1, 32, device=DEVICE, seed=12)
