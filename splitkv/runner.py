@@ -204,8 +204,12 @@ def workspace_bytes(
     per_tile = num_q_heads // num_kv_heads if pack_gqa else 1
     block_m = block_m or block_m_for(rows_per_tile(per_tile, max_len_extend))
     tiles = max_bs * count_head_tiles(num_q_heads, num_kv_heads, max_len_extend, block_m, pack_gqa)
-    counter_bytes = -(-(tiles + GRID_COUNTERS) * 4 // 16) * 16
-    return counter_bytes + tiles * max_splits * block_m * (v_head_dim + 1) * 4
+    return _counter_bytes(tiles) + tiles * max_splits * block_m * (v_head_dim + 1) * 4
+
+
+def _counter_bytes(tiles: int) -> int:
+    """Bytes a workspace's counters take for ``tiles`` tiles (int32, ``GRID_COUNTERS`` more), padded to 16."""
+    return -(-(tiles + GRID_COUNTERS) * 4 // 16) * 16
 
 
 class VerifySplitKV:
@@ -291,10 +295,10 @@ class VerifySplitKV:
                                    self._max_splits(), pack_gqa=pack_gqa, block_m=self.block_m)
             if workspace.device.type != self.device.type or workspace.numel() * workspace.element_size() < need:
                 raise ValueError(f"workspace must hold {need} bytes on {self.device}")
-            tiles = max_bs * self.head_tiles + GRID_COUNTERS
+            tiles = max_bs * self.head_tiles
             raw = workspace.view(torch.uint8).reshape(-1)
-            counter_bytes = -(-tiles * 4 // 16) * 16
-            self._ws_counters = raw[: tiles * 4].view(torch.int32)
+            counter_bytes = _counter_bytes(tiles)
+            self._ws_counters = raw[: (tiles + GRID_COUNTERS) * 4].view(torch.int32)
             end = counter_bytes + (raw.numel() - counter_bytes) // 4 * 4
             self._ws_parts = raw[counter_bytes:end].view(torch.float32)  # all the rest: plans check their fit
         self._launchers: Dict[tuple, Launcher] = {}
