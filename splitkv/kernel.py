@@ -512,21 +512,20 @@ def _verify_kernel(
                         cap2, temperature, HAS_LOGIT_CAP, HAS_XAI_TEMP, DOT_PRECISION,
                     )
 
-        sink2 = 0.0
-        if HAS_SINKS:
-            sink2 = tl.load(Sinks + h, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-        out_rows = (q_start + l).to(tl.int64)
-        o_ptrs = O + out_rows[:, None] * stride_ot + h[:, None] * stride_oh + offs_dv[None, :]
-        out_mask = row_ok[:, None] & dv_ok[None, :]
         if n_used == 1:
             # 3a. The tile's only program: finish in registers.
+            sink2 = 0.0
+            if HAS_SINKS:
+                sink2 = tl.load(Sinks + h, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
             o, lse2 = _finish(acc, m_i, l_i, sink2, HAS_SINKS)
-            tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=out_mask)
+            out_rows = (q_start + l).to(tl.int64)
+            tl.store(O + out_rows[:, None] * stride_ot + h[:, None] * stride_oh + offs_dv[None, :],
+                     o.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
             if WRITE_LSE:
                 tl.store(LSE_Out + out_rows * NUM_Q_HEADS + h, lse2 * 0.6931471805599453, mask=row_ok)
         else:
-            # 3b. Publish this slice for the merge (see "Merging").
-            o_s, lse_s = _finish(acc, m_i, l_i, sink2, False)
+            # 3b. Publish this slice for the merge (see "Merging"); the sink joins once, in the merge.
+            o_s, lse_s = _finish(acc, m_i, l_i, 0.0, False)
             part = (tile.to(tl.int64) * n_splits + split) * BLOCK_M + r
             tl.store(Part_O + part[:, None] * V_HEAD_DIM + offs_dv[None, :], o_s, mask=dv_ok[None, :])
             tl.store(Part_LSE + part, lse_s)
@@ -535,13 +534,11 @@ def _verify_kernel(
                 done = tl.atomic_add(Counters + tile, 1, sem="acq_rel", scope="gpu")
                 if done == n_used - 1:
                     tl.atomic_xchg(Counters + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-                    acc, m, den = _merge_rows(Part_O, Part_LSE, tile.to(tl.int64) * n_splits * BLOCK_M, n_used,
-                                              r, row_ok, offs_dv, dv_ok, BLOCK_M, V_HEAD_DIM, MERGE_UNROLL)
-                    # Merged slices stand for one state with m = running max and l = den.
-                    o, lse2 = _finish(acc, m, den, sink2, HAS_SINKS)
-                    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=out_mask)
-                    if WRITE_LSE:
-                        tl.store(LSE_Out + out_rows * NUM_Q_HEADS + h, lse2 * 0.6931471805599453, mask=row_ok)
+                    # The whole tile as one block: rows x every value column.
+                    _merge_chunk(O, LSE_Out, Sinks, Part_O, Part_LSE, tile, 0, 0,
+                                 m_block, head_tile, q_start, n_draft, n_used, n_splits, stride_ot, stride_oh,
+                                 NUM_Q_HEADS, HEADS_PER_TILE, V_HEAD_DIM, BLOCK_M, BLOCK_M, BLOCK_DV,
+                                 HAS_SINKS, WRITE_LSE, MERGE_UNROLL)
             if MERGE == 2:  # MERGE_PROGRAMS
                 tl.debug_barrier()  # every thread's stores issued before the release below
                 tl.atomic_add(Counters + tile, 1, sem="release", scope="gpu")  # one more slice published

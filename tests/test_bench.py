@@ -157,9 +157,14 @@ def test_plan_run_paths_and_defaults():
 # ---- One row, assembled with fake timers (the wiring of every implementation) ---------------------
 
 class FakeTimer(bench.Timer):
-    """Runs each callable once (checking it works) and returns a fixed time per implementation."""
+    """Runs each callable once (checking it works) and returns a fixed time per implementation
+    (host rounds: 90 µs in an implementation's turn, 70 at the end of the row)."""
 
     TIMES = {"eager": 80.0, "graph": 40.0, "host": 70.0}
+
+    def __init__(self):
+        super().__init__()
+        self.host_seen = set()
 
     def eager(self, fn):
         fn()
@@ -171,7 +176,9 @@ class FakeTimer(bench.Timer):
 
     def host(self, fn):
         fn()
-        return self.TIMES["host"]
+        first = id(fn) not in self.host_seen
+        self.host_seen.add(id(fn))
+        return self.TIMES["host"] + 20.0 * first
 
 
 def test_bench_row_wiring_bf16_and_fp8():
@@ -185,8 +192,9 @@ def test_bench_row_wiring_bf16_and_fp8():
         rec = row["impls"][name]
         assert rec["graph"] == 40.0, rec
         assert rec["rel_diff_vs_splitkv"] < 1e-4, (name, rec)
-    assert row["impls"]["splitkv"]["eager"] == 80.0 and "eager" not in row["impls"]["extend"]
-    assert row["impls"]["splitkv"]["host_us"] == 70.0 and row["impls"]["sdpa"]["host_us"] == 70.0
+    assert all(row["impls"][name]["eager"] == 80.0 for name in ("splitkv", "seed", "extend", "sdpa"))
+    for name in ("splitkv", "extend", "sdpa"):  # the fastest of a round in its turn and one at the row's end
+        assert row["impls"][name]["host_us"] == 70.0 and row["impls"][name]["host_rounds_us"] == [90.0, 70.0, 70.0]
     assert "host_us" not in row["impls"]["seed"]
     inv = row["impls"]["splitkv_invariant"]  # split_tokens: a time, or a recorded failure
     assert inv.get("graph") == 40.0 or inv.get("error")
@@ -281,16 +289,19 @@ def test_host_timer_on_cpu():
     assert 0 < t.host(lambda: None) < 1000
 
 
-def test_host_timer_is_a_median_of_batches():
-    """One interrupted batch (a 50 ms stall in one call of 100) does not move the host time."""
+def test_host_timer_is_a_median_of_calls_timed_alone():
+    """An interrupted call (a 50 ms stall in one of 100) does not move the host time; each call is timed."""
     import time
 
     calls = iter(range(10**6))
     stall = lambda: time.sleep(0.05) if next(calls) == 40 else None  # the warm-up call is number 0
-    t = bench.Timer(host_calls=100, host_batches=5)
+    t = bench.Timer(host_calls=100)
     assert t.host(stall) < 100  # µs; one mean over the 100 calls would be >= 500
-    with pytest.raises(ValueError):
-        bench.Timer(host_calls=4, host_batches=5)
+    assert next(calls) == 101  # the warm-up call and 100 timed ones
+    assert bench.Timer(host_calls=50).host(lambda: time.sleep(0.002)) >= 2000
+    for bad in (dict(host_calls=0), dict(host_rounds=0)):
+        with pytest.raises(ValueError):
+            bench.Timer(**bad)
 
 
 # ---- Tables and plots on a synthetic result --------------------------------------------------------
@@ -311,12 +322,12 @@ def synthetic_result():
             splitkv_over_floor=1.25, splitkv_over_gather_floor=1 / 0.9, invariant_over_splitkv=1.1,
             elapsed_s=3.2, setup_s=0.5,
             impls=dict(
-                splitkv=_rec(ours, eager=ours + 50, host_us=71.5),
+                splitkv=_rec(ours, eager=ours + 50, host_us=71.5, host_rounds_us=[120.0, 71.5]),
                 splitkv_invariant=_rec(ours * 1.1),
                 seed=_rec(ours * 3),
                 extend=_rec(ours * 10, host_us=None, host_skipped="graph time 2000 us > 500 us: device-bound"),
                 flex=dict(graph=None, error="InductorError: SubprocException: boom\nTraceback"),
-                sdpa=_rec(ours * 5, host_us=90.0),
+                sdpa=_rec(ours * 5, eager=ours * 5 + 3, host_us=90.0),
             ),
         )
 
@@ -335,8 +346,8 @@ def synthetic_result():
         date="2026-12-01", read_bandwidth=4.25e12, draft_tokens=4, dtype="bfloat16",
         kv_dtypes=list(bench.KV_DTYPES), fp8_scales=dict(k_scale=0.5, v_scale=2.0),
         invariant_split_tokens=1024, implementations=dict(bench.IMPL_HELP),
-        timing=dict(warmup_ms=5.0, rep_ms=25.0, host_calls=1000, host_max_graph_us=500.0,
-                    eager_impls=["splitkv"]),
+        timing=dict(warmup_ms=5.0, rep_ms=25.0, host_calls=1000, host_rounds=2, host_max_graph_us=500.0,
+                    eager_impls=["splitkv", "sdpa"]),
         elapsed_s=10.0, rows=rows,
     )
 
@@ -347,11 +358,13 @@ def test_format_markdown():
     widths = {line.count("|") - 1 for line in tables}
     assert max(widths) <= 9, widths
     captions = [line for line in md.splitlines() if line.startswith("**")]
-    assert len(captions) == 4  # times, ratios, host, fp8
+    assert len(captions) == 5  # times, ratios, eager, host, fp8
     assert "| llama3-8b bs1 4k | 15.6 | 17.6 | 19.5 | 21.5 | 58.5 | 195.0 | fail | 97.5 |" in md
     assert "| qwen3-32b bs32 64k | 1642 | 1847 | 2053 | 2258 | 6158 | 20527 | skip | 10264 |" in md
     assert "| llama3-8b bs1 4k | 1.25 | 1.11 | 1.10 | 3.00 | 10.00 | fail | 5.00 |" in md  # ratios
-    assert "| llama3-8b bs1 4k | 19.5 | 69.5 | 71.5 | skip | fail | 90.0 |" in md  # host
+    assert "| llama3-8b bs1 4k | 69.5 | 100.5 |" in md  # eager: splitkv, sdpa
+    assert "| llama3-8b bs1 4k | 71.5 | 120.0 | skip | fail | 90.0 |" in md  # host: fastest, slowest round
+    assert "the fastest of 2 rounds" in md
     assert "| llama3-8b bs1 4k | 8.0 | 9.5 | 13.6 | 14.3 | 300.0 | 1.43 | 0.70 | 22.06 |" in md  # fp8
     assert "flex failed at llama3-8b bs1 4k bf16: InductorError: SubprocException: boom" in md
     assert "flex skipped at qwen3-32b bs32 64k bf16" in md
