@@ -111,6 +111,9 @@ def test_window_slices_cover_only_the_window():
     full = runner.plan(*args, sm_scale=p.sm_scale)
     windowed = runner.plan(*args, sm_scale=p.sm_scale, sliding_window_size=MIN_SPLIT)
     assert windowed.n_splits < full.n_splits
+    # A window of MIN_SPLIT keys is sized as a prefix of MIN_SPLIT keys: one slice, no merge
+    # (its first key tile may start up to BLOCK_N - 1 keys earlier; that program reads them).
+    assert windowed.n_splits == 1 and windowed.merge is None
 
 
 def test_batch_invariant_with_features():
