@@ -84,7 +84,11 @@ MERGE_ROWS, MERGE_DV = 4, 32
 #: 4k, 31 slices: 23.6 us, 16 x 64 24.3, 4 x 32 26.0, second launch 24.8), 16 x 64
 #: with few (Qwen3-Next batch 32 / 1k, 4 slices: 42.6, 8 x 64 47.4, second
 #: launch 42.2; Qwen3-32B batch 8 / 4k: 54.3, 56.6, 54.6).
-GRID_MERGE_ROWS, GRID_MERGE_DV, GRID_MERGE_FEW = (16, 8), 64, 8
+GRID_MERGE_ROWS = (16, 8)
+#: Value columns per merge program in the verify grid (see ``GRID_MERGE_ROWS``).
+GRID_MERGE_DV = 64
+#: Most slices for which merge programs take ``GRID_MERGE_ROWS[0]`` rows (see ``GRID_MERGE_ROWS``).
+GRID_MERGE_FEW = 8
 #: Merge programs share the verify kernel's registers. Where the compiled kernel
 #: with them spills, a plan merges in a second launch instead: Qwen3-Next's fp8
 #: tile (255 registers) spilled 50 values with them and 20 without, batch 8 / 64k
