@@ -1,6 +1,6 @@
 """Benchmark: verify attention against every peer and two floors (needs a CUDA GPU).
 
-    python -m splitkv.bench                 # the full sweep, ~7 minutes on an H200
+    python -m splitkv.bench                 # the full sweep, ~9 minutes on an H200
     python -m splitkv.bench --quick         # a 4-row smoke run, < 1 minute
     python -m splitkv.bench --models llama3-8b --batches 8 --prefixes 16384
 
@@ -830,9 +830,9 @@ figures/roofline_<gpu>.png and speedup_<gpu>.png. --quick and custom subsets
 write benchmark_<gpu>_quick / benchmark_<gpu>_custom instead; --out overrides.
 
 time: the full default sweep (36 shapes x 2 pools = 72 rows) takes about
-7 minutes on an H200 (about 1.5 of them drawing random K/V pools on the host,
-and about 2 compiling FlexAttention once per shape); every row prints its
-elapsed seconds. --quick (4 rows) takes under a minute.
+9 minutes on an H200 (about 1.5 of them drawing random K/V pools on the host,
+about 2 compiling FlexAttention once per shape, and about 1.5 the host-time
+rounds, whose calls each wait for the GPU); every row prints its elapsed seconds. --quick (4 rows) takes under a minute.
 """
 
 
