@@ -99,6 +99,19 @@ def test_env_off_means_unchecked(monkeypatch):
     assert verify_splitkv_fwd(*args, **kwargs)
 
 
+@pytest.mark.parametrize("value, on", [("1", True), ("yes", True), ("0", False), ("", False), (None, False)])
+def test_env_values(value, on, monkeypatch):
+    """SPLITKV_CHECK is read as set at the call (the drop-in reads os.environ's own dict): unset, "" and "0" are off."""
+    from splitkv.api import _checking
+
+    if value is None:
+        monkeypatch.delenv("SPLITKV_CHECK", raising=False)
+    else:
+        monkeypatch.setenv("SPLITKV_CHECK", value)
+    assert _checking(None) is on
+    assert _checking(False) is False and _checking(True) is True  # an explicit check= wins
+
+
 def test_table_is_valid_before_the_edits():
     """Each row's problem is fine without its edit (so the error comes from the edit)."""
     for case in TABLE:
