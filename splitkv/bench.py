@@ -34,17 +34,27 @@ fp8 rows run ``splitkv``, ``splitkv_invariant`` and ``extend`` (the others
 have no fp8 pool). Every implementation is timed as CUDA-graph replays and
 as eager calls (``do_bench``, launches back to back).
 
-``host_us`` is the time one eager call holds the calling thread: each call
-is timed alone, the GPU idle as it starts (synchronised before, untimed), so
-the figure is the host's work (Python, validation, launches) at every shape,
-device-bound ones included. A *round* is the median over 1000 such calls;
-each implementation gets one round in its turn and more at the end of the
-row, seconds later, and ``host_us`` is the fastest round (every round is kept
-in ``host_rounds_us``). The hosts this ran on (the H200's and our CPU
-machines) have slow phases that last seconds, in which the same code runs
-about 1.7x slower; the fastest round is the code's cost, as ``timeit``
-advises ("the lowest value gives a lower bound for how fast your machine can
-run the given code snippet"), and the slowest round shows the phase.
+``host_us`` is the time one eager call holds the calling thread, in the
+regime a serving engine runs in: the host enqueues call after call while the
+GPU works. Calls go back to back in bursts of 20 (then one untimed
+synchronisation, so the launch queue never fills and never blocks a call),
+each call timed alone; a *round* is the median over 1000 calls. Timing each
+call after a synchronisation instead (the GPU idle as it starts) measured
+the host waking up from the wait as well: on the H200's virtual machine
+that added up to 60 µs at rows whose calls keep the GPU busy for
+milliseconds (2026-12-01).
+
+That machine's 16 virtual CPUs do not run at one speed: at the same moment
+a fixed pure-Python workload (:func:`cpu_reference_us`) takes about 25 µs
+on some and 45 µs on others, and a drop-in call's host time follows it
+(25-29 µs against 38-49 µs; no steal time was counted). Before each round
+the timing thread is therefore pinned to the fastest CPU at that moment
+(:func:`fastest_cpu`), and the row records that CPU's reference time and
+the slowest CPU's (``host_cpus``): ``host_us`` is the code's cost on the
+fastest CPU the machine offered then, and a call on a slow one costs about
+``slowest_ref_us / ref_us`` times more. Each implementation gets one round
+in its turn and more at the end of the row, and ``host_us`` is the fastest
+round (every round is kept in ``host_rounds_us``).
 
 Results go to ``figures/benchmark_<gpu>.json`` (device, versions, date, every
 row; written after every row) and ``.md``, and plots into ``figures/`` (see
@@ -84,6 +94,8 @@ __all__ = [
     "IMPLEMENTATIONS",
     "KV_DTYPES",
     "Timer",
+    "cpu_reference_us",
+    "fastest_cpu",
     "run_benchmark",
     "bench_row",
     "format_table",
@@ -302,14 +314,19 @@ class Timer:
             timing costs: about ``warmup_ms + rep_ms`` plus 6 calls).
         host_calls: eager calls per host-time round (:meth:`host`).
         host_rounds: host-time rounds per implementation and row (see the module docstring).
+        host_burst: calls launched back to back between synchronisations in a round.
+        host_pin: pin the timing thread to :func:`fastest_cpu` for each round.
     """
 
     def __init__(self, warmup_ms: float = 5.0, rep_ms: float = 25.0, host_calls: int = 1000,
-                 host_rounds: int = 3):
-        if host_calls < 1 or host_rounds < 1:
-            raise ValueError(f"need host_calls >= 1 and host_rounds >= 1, got {host_calls} and {host_rounds}")
+                 host_rounds: int = 3, host_burst: int = 20, host_pin: bool = True):
+        if host_calls < 1 or host_rounds < 1 or host_burst < 1:
+            raise ValueError(f"need host_calls, host_rounds and host_burst >= 1, got {host_calls}, "
+                             f"{host_rounds} and {host_burst}")
         self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
-        self.host_calls, self.host_rounds = host_calls, host_rounds
+        self.host_calls, self.host_rounds, self.host_burst, self.host_pin = host_calls, host_rounds, host_burst, host_pin
+        #: :func:`fastest_cpu`'s pick for the last host round (``None``: not pinned)
+        self.last_host_cpu: Optional[dict] = None
 
     def _bench(self, fn) -> float:
         import triton.testing
@@ -336,20 +353,72 @@ class Timer:
     def host(self, fn: Callable) -> float:
         """One host-time round: µs one eager call holds the calling thread, the median over ``host_calls`` calls.
 
-        Each call is timed alone, from its start to its return, with the GPU
-        idle as it starts (synchronised before, untimed): the host's work
-        (Python, validation, launches), not the GPU's, at any shape. The
+        Calls run back to back in bursts of ``host_burst``, each burst followed
+        by an untimed synchronisation; every call is timed alone, from its
+        start to its return. With ``host_pin``, the thread runs pinned to
+        :func:`fastest_cpu` (its pick is left in ``last_host_cpu``). The
         median shrugs off calls that the host interrupted.
         """
         fn()
-        times = []
-        for _ in range(self.host_calls):
-            _sync()
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
         _sync()
+        pick = fastest_cpu() if self.host_pin else None
+        allowed = os.sched_getaffinity(0) if pick else None
+        times: List[float] = []
+        try:
+            if pick:
+                os.sched_setaffinity(0, {pick["cpu"]})
+            while len(times) < self.host_calls:
+                for _ in range(min(self.host_burst, self.host_calls - len(times))):
+                    start = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - start)
+                _sync()
+        finally:
+            if pick:
+                os.sched_setaffinity(0, allowed)
+        self.last_host_cpu = pick
         return statistics.median(times) * 1e6
+
+
+def cpu_reference_us(calls: int = 30) -> float:
+    """µs of a fixed pure-Python workload (``sum(range(2000))``) on the calling thread, median of ``calls``:
+    how fast the CPU it runs on is right now (the drop-in's host path is pure Python plus a launch)."""
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        sum(range(2000))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def fastest_cpu() -> Optional[dict]:
+    """The CPU, among those this thread may run on, where :func:`cpu_reference_us` is fastest now.
+
+    Returns ``{"cpu", "ref_us", "slowest_ref_us"}`` (the pick, its reference
+    time, the slowest CPU's), or ``None`` where threads cannot be pinned (not
+    Linux). The thread's CPU set is left as it was.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    allowed = os.sched_getaffinity(0)
+    refs = {}
+    try:
+        for cpu in sorted(allowed):
+            os.sched_setaffinity(0, {cpu})
+            refs[cpu] = cpu_reference_us()
+    finally:
+        os.sched_setaffinity(0, allowed)
+    cpu = min(refs, key=refs.get)
+    return dict(cpu=cpu, ref_us=round(refs[cpu], 2), slowest_ref_us=round(max(refs.values()), 2))
+
+
+def _host_round(timer: Timer, fn: Callable, rec: dict) -> None:
+    """One more host-time round into ``rec`` (with the timer's CPU pick, where it pinned); ``host_us``: the fastest."""
+    rec.setdefault("host_rounds_us", []).append(timer.host(fn))
+    cpu = getattr(timer, "last_host_cpu", None)
+    if cpu:
+        rec.setdefault("host_cpus", []).append(cpu)
+    rec["host_us"] = min(rec["host_rounds_us"])
 
 
 def _err(err: BaseException) -> str:
@@ -439,8 +508,7 @@ def bench_row(
         if name in host_impls:
             if name == "splitkv" or (graph_us and graph_us <= HOST_MAX_GRAPH_US):
                 try:
-                    rec["host_rounds_us"] = [timer.host(fn)]
-                    rec["host_us"] = rec["host_rounds_us"][0]
+                    _host_round(timer, fn, rec)
                     host_fns[name] = fn
                 except Exception as err:
                     rec["host_us"] = None
@@ -471,9 +539,7 @@ def bench_row(
             row["gather_floor_errors"] = found["errors"]
     for _ in range(getattr(timer, "host_rounds", 1) - 1):
         for name, fn in host_fns.items():
-            rec = row["impls"][name]
-            rec["host_rounds_us"].append(timer.host(fn))
-            rec["host_us"] = min(rec["host_rounds_us"])
+            _host_round(timer, fn, row["impls"][name])
     host_fns.clear()
     ours = row["impls"].get("splitkv", {}).get("graph")
     row["splitkv_over_floor"] = _ratio(ours, row["floor_us"])
@@ -539,7 +605,8 @@ def run_benchmark(models=tuple(MODEL_SHAPES), batches=BENCH_BATCHES, prefixes=BE
         invariant_split_tokens=INVARIANT_SPLIT_TOKENS,
         implementations={n: IMPL_HELP[n] for n in impls},
         timing=dict(warmup_ms=timer.warmup_ms, rep_ms=timer.rep_ms, host_calls=timer.host_calls,
-                    host_rounds=timer.host_rounds, host_method="calls timed alone",
+                    host_rounds=timer.host_rounds, host_burst=timer.host_burst, host_pin=timer.host_pin,
+                    host_method="bursts of calls, each timed alone",
                     host_max_graph_us=HOST_MAX_GRAPH_US, eager_impls=list(EAGER_IMPLS)),
         elapsed_s=0.0,
         rows=rows,
@@ -643,6 +710,12 @@ def _time_cell(r: dict, name: str, key: str = "graph") -> str:
 def _host_method(timing: dict) -> str:
     """How ``host_us`` was measured, from the result's ``timing`` (older results: back-to-back batches)."""
     calls, batches = timing.get("host_calls", 1000), timing.get("host_batches", 1)
+    if "host_burst" in timing:
+        return (f"calls back to back in bursts of {timing['host_burst']} (synchronised between bursts, untimed), "
+                f"each call timed alone, the median over {calls} calls per round"
+                + (", the thread pinned to the fastest CPU at the time" if timing.get("host_pin") else "")
+                + f", the fastest of {timing['host_rounds']} rounds (one in the implementation's turn, the rest at "
+                "the end of the row)")
     if "host_rounds" in timing:
         return (f"each call timed alone with the GPU idle as it starts, the median over {calls} calls per round, "
                 f"the fastest of {timing['host_rounds']} rounds (one in the implementation's turn, the rest at "
@@ -668,6 +741,17 @@ def _slowest_round_cell(r: dict) -> str:
     """splitkv's slowest host-time round (older results kept one measurement: ``–``)."""
     rounds = r["impls"].get("splitkv", {}).get("host_rounds_us")
     return _us(max(rounds)) if rounds else "–"
+
+
+def _cpu_ref_cell(r: dict) -> str:
+    """For splitkv's fastest host round: the reference workload's µs on the CPU it ran on / on the slowest CPU
+    (:func:`fastest_cpu`); ``–`` for unpinned results."""
+    rec = r["impls"].get("splitkv", {})
+    rounds, cpus = rec.get("host_rounds_us"), rec.get("host_cpus")
+    if not rounds or not cpus or len(cpus) != len(rounds):
+        return "–"
+    pick = cpus[rounds.index(min(rounds))]
+    return f"{pick['ref_us']:.0f} / {pick['slowest_ref_us']:.0f}"
 
 
 def _speedup_cell(r: dict, name: str) -> str:
@@ -714,11 +798,16 @@ def _tables(result: dict) -> List[Tuple[str, List[str], List[List[str]]]]:
             ))
         host = [n for n in HOST_IMPLS if n in present]
         if any(r["impls"].get(n, {}).get("host_us") for r in bf16 for n in host):
+            pinned = any(r["impls"].get("splitkv", {}).get("host_cpus") for r in bf16)
             tables.append((
                 "Host time per eager call, bf16 KV pool, µs: the time a call holds the calling thread "
-                "(fastest round; splitkv's slowest round beside it)",
-                ["shape", "splitkv", "splitkv, slowest round"] + [_LABEL[n] for n in host if n != "splitkv"],
+                "(fastest round; splitkv's slowest round beside it"
+                + ("; CPU ref: the reference workload's µs on the CPU of splitkv's fastest round / on the "
+                   "slowest CPU then" if pinned else "") + ")",
+                ["shape", "splitkv", "splitkv, slowest round"] + (["CPU ref"] if pinned else [])
+                + [_LABEL[n] for n in host if n != "splitkv"],
                 [[_shape(r), _host_cell(r, "splitkv"), _slowest_round_cell(r)]
+                 + ([_cpu_ref_cell(r)] if pinned else [])
                  + [_host_cell(r, n) for n in host if n != "splitkv"] for r in bf16],
             ))
     if fp8:
@@ -861,6 +950,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="do_bench measuring time per timing, milliseconds (default: 25)")
     ap.add_argument("--host-calls", type=int, default=1000, metavar="N",
                     help="eager calls per host-time round, each timed alone (default: 1000)")
+    ap.add_argument("--host-unpinned", action="store_true",
+                    help="time host rounds on whatever CPU the thread runs on (default: pinned to the fastest CPU "
+                         "at the time; see the module docstring)")
     ap.add_argument("--no-gather-floor", action="store_true", help="skip the gather-floor search")
     return ap
 
@@ -886,7 +978,7 @@ def plan_run(argv, device_name: str) -> dict:
         impls=tuple(args.impls or IMPLEMENTATIONS),
         kv_dtypes=tuple(args.kv_dtypes or KV_DTYPES),
         gather_floor=not args.no_gather_floor,
-        timer=dict(rep_ms=args.rep_ms, host_calls=args.host_calls),
+        timer=dict(rep_ms=args.rep_ms, host_calls=args.host_calls, host_pin=not args.host_unpinned),
         out=out,
         md=stem + ".md",
         figures=args.figures,

@@ -703,8 +703,14 @@ class VerifyPlan:
             dtypes = (m[0].dtype, m[1].dtype, m[2].dtype, m[3].dtype, m[4].dtype, m[5].dtype, m[6].dtype, m[7].dtype)
         else:  # the caller knows the dtypes are the last bind's
             dtypes = self._static_key[1]
-        ptrs = (m[0].data_ptr(), m[1].data_ptr(), m[2].data_ptr(), m[3].data_ptr(), m[4].data_ptr(),
-                m[5].data_ptr(), m[6].data_ptr(), m[7].data_ptr())
+        # A placeholder's address is its tensor's, taken once (each data_ptr() costs ~0.1 µs of a call's ~25).
+        p_qo, p_kvp = m[0].data_ptr(), m[1].data_ptr()
+        ptrs = (p_qo, p_kvp, m[2].data_ptr(),
+                m[3].data_ptr() if kv_last_page_len is not None else p_kvp,
+                m[4].data_ptr() if use_mask else p_kvp,
+                m[5].data_ptr() if use_mask else p_kvp,
+                m[6].data_ptr() if use_mask and window_kv_offsets is not None else p_kvp,
+                m[7].data_ptr() if sinks is not None else p_qo)
         self._meta, self._meta_ptrs = m, ptrs
         # What the compiled kernel is specialised on that is fixed per bind: the inputs' and the
         # metadata's dtypes, the metadata's 16-byte alignment.

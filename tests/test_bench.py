@@ -140,7 +140,7 @@ def test_plan_run_paths_and_defaults():
     assert full["models"] == tuple(bench.MODEL_SHAPES) and full["batches"] == bench.BENCH_BATCHES
     assert full["prefixes"] == bench.BENCH_PREFIXES and full["impls"] == bench.IMPLEMENTATIONS
     assert full["kv_dtypes"] == bench.KV_DTYPES and full["gather_floor"]
-    assert full["timer"] == dict(rep_ms=25.0, host_calls=1000)
+    assert full["timer"] == dict(rep_ms=25.0, host_calls=1000, host_pin=True)
     assert len(bench.bench_shapes(full["models"], full["batches"], full["prefixes"])) == 36
     assert bench.plan_run([], "NVIDIA H100 80GB HBM3")["out"] == os.path.join("figures", "benchmark_h100.json")
     quick = bench.plan_run(["--quick"], "NVIDIA H200")
@@ -152,6 +152,7 @@ def test_plan_run_paths_and_defaults():
     assert (mine["out"], mine["md"]) == ("/tmp/x/run.json", "/tmp/x/run.md")
     assert (mine["figures"], mine["plot_tag"]) == ("", "run")
     assert mine["timer"]["rep_ms"] == 10.0
+    assert not bench.plan_run(["--host-unpinned"], "NVIDIA H200")["timer"]["host_pin"]
 
 
 # ---- One row, assembled with fake timers (the wiring of every implementation) ---------------------
@@ -178,6 +179,7 @@ class FakeTimer(bench.Timer):
         fn()
         first = id(fn) not in self.host_seen
         self.host_seen.add(id(fn))
+        self.last_host_cpu = dict(cpu=len(self.host_seen), ref_us=25.0, slowest_ref_us=45.0)
         return self.TIMES["host"] + 20.0 * first
 
 
@@ -195,6 +197,7 @@ def test_bench_row_wiring_bf16_and_fp8():
     assert all(row["impls"][name]["eager"] == 80.0 for name in ("splitkv", "seed", "extend", "sdpa"))
     for name in ("splitkv", "extend", "sdpa"):  # the fastest of a round in its turn and one at the row's end
         assert row["impls"][name]["host_us"] == 70.0 and row["impls"][name]["host_rounds_us"] == [90.0, 70.0, 70.0]
+        assert len(row["impls"][name]["host_cpus"]) == 3  # each round's CPU pick
     assert "host_us" not in row["impls"]["seed"]
     inv = row["impls"]["splitkv_invariant"]  # split_tokens: a time, or a recorded failure
     assert inv.get("graph") == 40.0 or inv.get("error")
@@ -289,6 +292,29 @@ def test_host_timer_on_cpu():
     assert 0 < t.host(lambda: None) < 1000
 
 
+def test_host_timer_bursts_and_pins(monkeypatch):
+    """Calls go back to back in bursts (one synchronisation after each), on the fastest CPU; the thread's
+    CPU set is restored afterwards."""
+    syncs, seen = [], []
+    monkeypatch.setattr(bench, "_sync", lambda: syncs.append(1))
+    t = bench.Timer(host_calls=100, host_burst=20)
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    t.host(lambda: seen.append(os.sched_getaffinity(0) if before is not None else None))
+    assert len(seen) == 101 and len(syncs) == 1 + 5  # after the warm-up call, then after each burst of 20
+    if before is None:  # no pinning on this platform
+        assert t.last_host_cpu is None
+        return
+    pick = t.last_host_cpu
+    assert pick["cpu"] in before and 0 < pick["ref_us"] <= pick["slowest_ref_us"]
+    assert all(cpus == {pick["cpu"]} for cpus in seen[1:])  # the timed calls ran pinned
+    assert os.sched_getaffinity(0) == before
+    unpinned = bench.Timer(host_calls=10, host_pin=False)
+    unpinned.host(lambda: None)
+    assert unpinned.last_host_cpu is None
+    with pytest.raises(ValueError):
+        bench.Timer(host_burst=0)
+
+
 def test_host_timer_is_a_median_of_calls_timed_alone():
     """An interrupted call (a 50 ms stall in one of 100) does not move the host time; each call is timed."""
     import time
@@ -322,7 +348,9 @@ def synthetic_result():
             splitkv_over_floor=1.25, splitkv_over_gather_floor=1 / 0.9, invariant_over_splitkv=1.1,
             elapsed_s=3.2, setup_s=0.5,
             impls=dict(
-                splitkv=_rec(ours, eager=ours + 50, host_us=71.5, host_rounds_us=[120.0, 71.5]),
+                splitkv=_rec(ours, eager=ours + 50, host_us=71.5, host_rounds_us=[120.0, 71.5],
+                             host_cpus=[dict(cpu=3, ref_us=44.6, slowest_ref_us=47.0),
+                                        dict(cpu=8, ref_us=25.4, slowest_ref_us=46.1)]),
                 splitkv_invariant=_rec(ours * 1.1),
                 seed=_rec(ours * 3),
                 extend=_rec(ours * 10, host_us=None, host_skipped="graph time 2000 us > 500 us: device-bound"),
@@ -363,7 +391,8 @@ def test_format_markdown():
     assert "| qwen3-32b bs32 64k | 1642 | 1847 | 2053 | 2258 | 6158 | 20527 | skip | 10264 |" in md
     assert "| llama3-8b bs1 4k | 1.25 | 1.11 | 1.10 | 3.00 | 10.00 | fail | 5.00 |" in md  # ratios
     assert "| llama3-8b bs1 4k | 69.5 | 100.5 |" in md  # eager: splitkv, sdpa
-    assert "| llama3-8b bs1 4k | 71.5 | 120.0 | skip | fail | 90.0 |" in md  # host: fastest, slowest round
+    # host: fastest, slowest round, the CPU reference of the fastest round (its CPU / the slowest CPU)
+    assert "| llama3-8b bs1 4k | 71.5 | 120.0 | 25 / 46 | skip | fail | 90.0 |" in md
     assert "the fastest of 2 rounds" in md
     assert "| llama3-8b bs1 4k | 8.0 | 9.5 | 13.6 | 14.3 | 300.0 | 1.43 | 0.70 | 22.06 |" in md  # fp8
     assert "flex failed at llama3-8b bs1 4k bf16: InductorError: SubprocException: boom" in md
