@@ -904,8 +904,9 @@ v_scale 2.0), each implementation is replayed from a CUDA graph and timed with
 triton.testing.do_bench (median µs, L2 flushed). Per row: floor_us (prefix KV
 bytes / measured read bandwidth), gather_floor_us (a bare kernel gathering the
 same K/V rows, best of up to 17 launch settings), their ratios to splitkv, eager
-times, the host µs of one eager call (median of 1000 calls timed alone, fastest
-of 3 rounds), and fp8 / bf16.
+times, the host µs of one eager call (median of 1000 calls made back to back in
+bursts, each timed alone, on the fastest CPU at the time; fastest of 3 rounds),
+and fp8 / bf16.
 """
 
 _EPILOG = """\
