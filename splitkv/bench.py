@@ -41,8 +41,8 @@ synchronisation, so the launch queue never fills and never blocks a call),
 each call timed alone; a *round* is the median over 1000 calls. Timing each
 call after a synchronisation instead (the GPU idle as it starts) measured
 the host waking up from the wait as well: on the H200's virtual machine
-that added up to 60 µs at rows whose calls keep the GPU busy for
-milliseconds (2026-12-01).
+that added tens of µs (up to 75) at rows whose calls keep the GPU busy for
+a millisecond or more (2026-12-01).
 
 That machine's 16 virtual CPUs do not run at one speed: at the same moment
 a fixed pure-Python workload (:func:`cpu_reference_us`) takes about 25 µs
