@@ -89,11 +89,6 @@ GRID_MERGE_ROWS = (16, 8)
 GRID_MERGE_DV = 64
 #: Most slices for which merge programs take ``GRID_MERGE_ROWS[0]`` rows (see ``GRID_MERGE_ROWS``).
 GRID_MERGE_FEW = 8
-#: Merge programs share the verify kernel's registers. Where the compiled kernel
-#: with them spills, a plan merges in a second launch instead: Qwen3-Next's fp8
-#: tile (255 registers) spilled 50 values with them and 20 without, batch 8 / 64k
-#: 355.6 against 314.2 us (H200, 2026-12-01); Qwen3-Next's bf16 tile and
-#: Qwen3-32B's fp8 tile do not spill either way (Qwen3-Next bf16: 224 -> 237 registers).
 #: Counters past a launch's tiles that the merge programs' launch uses: the ticket and the exit count.
 GRID_COUNTERS = 2
 #: Pools whose every element offset is below this gather in 32-bit address
@@ -840,8 +835,10 @@ class VerifyPlan:
             args = (q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg, *self._meta,
                     parts, lse_offset, cnt, *self._tail, s_ot, s_oh)
             if self.merge == MERGE_PROGRAMS and self._launch.spills(args, self.grid):
-                # The merge programs' code must not push the slices' loop into spilling
-                # (see GRID_MERGE_ROWS): merge in a second launch instead.
+                # Merge programs share the verify kernel's registers and must not push the slices'
+                # loop into spilling: merge in a second launch instead. Qwen3-Next's fp8 tile (255
+                # registers) spilled 50 values with them and 20 without, batch 8 / 64k 355.6 against
+                # 314.2 µs (H200, 2026-12-01); its bf16 tile and Qwen3-32B's fp8 tile spill neither way.
                 self._pick_launchers(spread=True)
                 return self._run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg)
             self._launch(self.grid, args, stream, key)  # compiles
