@@ -142,6 +142,10 @@ class Launcher:
                 self._by_key[key] = kernel
         self._run(kernel, grid, args, stream)
 
+    def ready(self, key) -> bool:
+        """Whether :meth:`run_ptrs` launches for ``key`` (it was launched through :meth:`__call__`)."""
+        return key in self._by_key
+
     def run_ptrs(self, key, grid: Tuple[int, int, int], args: Sequence, stream: int) -> bool:
         """Launch the kernel compiled for ``key`` with ``args`` whose tensors are
         given as their ``data_ptr()`` addresses, on device memory the caller has

@@ -17,11 +17,12 @@ merge programs to wait for the slices, and two more for the merge programs'
 tickets and exit count (see "Merging" in :mod:`splitkv.kernel`; :func:`merge_mode`
 says which a launch uses). Two ways to provide them:
 
-* default: the partials come from PyTorch's caching allocator on every run.
-  Under CUDA-graph capture that memory belongs to the graph's private pool
-  and keeps its address for every replay; on two streams at once each call
-  gets its own; and it returns to the cache when the call is over, so
-  memory never grows with streams or batch sizes. The counters must start at
+* default: the partials come from PyTorch's caching allocator on every run
+  (on a GPU as a raw block of the run's stream, freed once the launches are
+  queued: no tensor is made). Under CUDA-graph capture that memory belongs
+  to the graph's private pool and keeps its address for every replay; on two
+  streams at once each call gets its own; and it returns to the cache when
+  the call is over, so memory never grows with streams or batch sizes. The counters must start at
   zero and be kept between calls: each stream gets a slice (4 bytes per
   tile) of a per-device arena zeroed before any capture (:func:`counters`),
   and every launch leaves them zeroed. The merge in a second launch
@@ -118,6 +119,14 @@ def _stream_key(device: torch.device) -> Tuple[int, int]:
 _ARENAS: Dict[int, list] = {}
 #: Counters per arena (4 MB): room for many streams' arrays before another is needed.
 ARENA_COUNTERS = 1 << 20
+
+
+# The caching allocator's raw blocks (CUDA builds of PyTorch): an address, no tensor. A
+# run's partials need nothing more, and a tensor's construction and destruction cost more
+# than the alloc / delete pair (H200 host, 2026-12-01: 4.6-4.8 µs against 1.6-1.8 for 2 MB).
+_raw_alloc = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_alloc", None)
+_raw_delete = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_delete", None)
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
 def _capturing(device: torch.device) -> bool:
@@ -785,9 +794,14 @@ class VerifyPlan:
         self._run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg)
         return (out, lse) if self.return_lse else out
 
-    def _new_partials(self) -> torch.Tensor:
-        """This run's float32 partials from the caching allocator: outputs, then LSEs (at ``_lse_offset``)."""
-        return torch.empty(self._part_rows * (self.runner.v_head_dim + 1), dtype=torch.float32, device=self.device)
+    def _new_partials(self, stream: Optional[int], raw: bool) -> Tuple[Optional[torch.Tensor], int]:
+        """This run's float32 partials from the caching allocator (outputs, then LSEs at
+        ``_lse_offset``): ``(tensor, address)``, or with ``raw`` and where the allocator
+        allows, ``(None, address)`` of a raw block on ``stream`` that the run frees."""
+        if raw and stream is not None and _raw_alloc is not None and _current_device() == self._dev_index:
+            return None, _raw_alloc(self.scratch_bytes, stream)
+        parts = torch.empty(self._part_rows * (self.runner.v_head_dim + 1), dtype=torch.float32, device=self.device)
+        return parts, parts.data_ptr()
 
     def _refuse(self, *layer) -> None:
         names = ("q_extend", "k_extend", "v_extend", "k_buffer", "v_buffer", "out", "lse")
@@ -803,57 +817,72 @@ class VerifyPlan:
         r = self.runner
         stream = torch._C._cuda_getCurrentRawStream(self._dev_index) if self._dev_index >= 0 else None
         lse_offset = self._lse_offset
-        if self.n_splits == 1:
-            # One slice: no partials, no counters. The kernels never dereference them: null
-            # addresses, and a float32 placeholder for the launch that compiles (below).
-            parts = cnt = None
-        elif r.workspace is not None:
-            parts, cnt = r._ws_parts, r._ws_counters
-        else:
-            parts = self._new_partials()
-            cnt = (counters(self.device, self._tiles + GRID_COUNTERS,
-                            None if stream is None else (self._dev_index, stream))
-                   if self.fused else parts)  # only the one-launch merges count
-            if cnt is None:  # a new stream inside a capture and no zeroed counters left: merge in a second launch
-                self._pick_launchers(spread=True)
-                cnt = parts
         # The addresses serve twice: the launch key's alignment bits, and the launch itself
         # (Launcher.run_ptrs: Triton would otherwise ask the driver about each tensor again).
         # The metadata's were taken when it was bound.
         p_q, p_k, p_v, p_kb, p_vb, p_o, p_lse = (
             q_extend.data_ptr(), k_extend.data_ptr(), v_extend.data_ptr(), k_buffer.data_ptr(), v_buffer.data_ptr(),
             out.data_ptr(), lse_arg.data_ptr())
-        p_parts, p_cnt = (0, 0) if parts is None else (parts.data_ptr(), cnt.data_ptr())
         s_ot, s_oh = out.stride(0), out.stride(1)
+        # The scratch's alignment is not in the key: within a runner it never changes (a
+        # workspace's fixed carve-out, or else allocator blocks, arena slices and null
+        # addresses, all 16-byte aligned).
         key = (self._spec, self._static_key, out.dtype, s_ot, s_oh,
-               alignment_bits((p_q, p_k, p_v, p_kb, p_vb, p_o, p_lse, p_parts, p_cnt)))
+               alignment_bits((p_q, p_k, p_v, p_kb, p_vb, p_o, p_lse)))
+        block = 0  # a raw block of the caching allocator that this run frees
+        if self.n_splits == 1:
+            # One slice: no partials, no counters. The kernels never dereference them: null
+            # addresses, and a float32 placeholder for the launch that compiles (below).
+            parts = cnt = None
+            p_parts = p_cnt = 0
+        elif r.workspace is not None:
+            parts, cnt = r._ws_parts, r._ws_counters
+            p_parts, p_cnt = parts.data_ptr(), cnt.data_ptr()
+        else:
+            # A raw block only where every launch of this run is compiled (compiling takes tensors).
+            parts, p_parts = self._new_partials(stream, self._launch.ready(key) and (
+                self._merge is None or self._merge.ready(key)))
+            block = p_parts if parts is None else 0
+            cnt, p_cnt = parts, p_parts  # only the one-launch merges count
+            if self.fused:
+                cnt = counters(self.device, self._tiles + GRID_COUNTERS,
+                               None if stream is None else (self._dev_index, stream))
+                if cnt is None:  # a new stream inside a capture and no zeroed counters left: merge in a second launch
+                    if block:
+                        _raw_delete(block)
+                    self._pick_launchers(spread=True)
+                    return self._run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg)
+                p_cnt = cnt.data_ptr()
         meta = self._meta_ptrs
-        if not self._launch.run_ptrs(key, self.grid, (p_q, p_k, p_v, p_kb, p_vb, p_o, p_lse, *meta, p_parts,
-                                                      lse_offset, p_cnt, *self._tail, s_ot, s_oh), stream):
-            if parts is None:  # held by no one past this call (a plan may be made inside a graph's pool)
-                parts = cnt = torch.empty(1, dtype=torch.float32, device=self.device)
-            args = (q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg, *self._meta,
-                    parts, lse_offset, cnt, *self._tail, s_ot, s_oh)
-            if self.merge == MERGE_PROGRAMS and self._launch.spills(args, self.grid):
-                # Merge programs share the verify kernel's registers and must not push the slices'
-                # loop into spilling: merge in a second launch instead. Qwen3-Next's fp8 tile (255
-                # registers) spilled 50 values with them and 20 without, batch 8 / 64k 355.6 against
-                # 314.2 µs (H200, 2026-12-01); its bf16 tile and Qwen3-32B's fp8 tile spill neither way.
-                self._pick_launchers(spread=True)
-                return self._run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg)
-            self._launch(self.grid, args, stream, key)  # compiles
-        if self._merge is not None:
-            # Arguments: out, lse, qo_indptr, kv_indptr, last-page lengths, sinks, partials, then the
-            # scalars num_tokens, kv_len, n_splits, min_split, window and the output strides. A subset
-            # of the verify launch's: the same key fixes their specialisation.
-            sc = self._scalars
-            tail = (lse_offset, sc[4], sc[6], sc[8], sc[9], sc[10], s_ot, s_oh)
-            if not self._merge.run_ptrs(key, self._merge_grid,
-                                        (p_o, p_lse, meta[0], meta[1], meta[3], meta[7], p_parts, *tail), stream):
-                if parts is None:
-                    parts = torch.empty(1, dtype=torch.float32, device=self.device)
-                m = self._meta
-                self._merge(self._merge_grid, (out, lse_arg, m[0], m[1], m[3], m[7], parts, *tail), stream, key)
+        try:
+            if not self._launch.run_ptrs(key, self.grid, (p_q, p_k, p_v, p_kb, p_vb, p_o, p_lse, *meta, p_parts,
+                                                          lse_offset, p_cnt, *self._tail, s_ot, s_oh), stream):
+                if self.n_splits == 1:  # held by no one past this call (a plan may be made inside a graph's pool)
+                    parts = cnt = torch.empty(1, dtype=torch.float32, device=self.device)
+                args = (q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg, *self._meta,
+                        parts, lse_offset, cnt, *self._tail, s_ot, s_oh)
+                if self.merge == MERGE_PROGRAMS and self._launch.spills(args, self.grid):
+                    # Merge programs share the verify kernel's registers and must not push the slices'
+                    # loop into spilling: merge in a second launch instead. Qwen3-Next's fp8 tile (255
+                    # registers) spilled 46-50 values with them and 20 without: 1.04-1.22x the time of
+                    # the second launch at each of its 12 benchmark shapes (H200, 2026-12-01, batch 8 /
+                    # 64k 360.7 against 294.6 µs); its bf16 tile and Qwen3-32B's fp8 tile spill neither way.
+                    self._pick_launchers(spread=True)
+                    return self._run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg)
+                self._launch(self.grid, args, stream, key)  # compiles
+            if self._merge is not None:
+                # Arguments: out, lse, qo_indptr, kv_indptr, last-page lengths, sinks, partials, then the
+                # scalars num_tokens, kv_len, n_splits, min_split, window and the output strides. A subset
+                # of the verify launch's: the same key fixes their specialisation.
+                sc = self._scalars
+                tail = (lse_offset, sc[4], sc[6], sc[8], sc[9], sc[10], s_ot, s_oh)
+                if not self._merge.run_ptrs(key, self._merge_grid,
+                                            (p_o, p_lse, meta[0], meta[1], meta[3], meta[7], p_parts, *tail), stream):
+                    m = self._meta
+                    self._merge(self._merge_grid, (out, lse_arg, m[0], m[1], m[3], m[7], parts, *tail), stream, key)
+        finally:
+            if block:
+                _raw_delete(block)  # back to the cache, for what this stream runs next
 
 
 def mean_prefix(kv_len: int, page_size: int, batch_size: int) -> int:

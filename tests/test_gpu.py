@@ -144,6 +144,41 @@ def test_two_streams_at_once():
         assert relative_error(o, ref) < TOLERANCE[p.q_extend.dtype]
 
 
+@pytest.mark.parametrize("model,one_launch", [("llama3-8b", True), ("qwen3-32b", True), ("qwen3-32b", False)],
+                         ids=["last-program", "merge-programs", "second-launch"])
+def test_default_partials_are_a_raw_block_freed_after_the_launches(model, one_launch, monkeypatch):
+    """Once its launches are compiled, a plan's default partials are a raw block of the caching
+    allocator on the current stream, freed once after the launches. Here the block is a NaN-filled
+    tensor: the output must not depend on what the block held."""
+    import splitkv.runner as runner_module
+
+    p = model_problem(model, [2000, 517], dtype=torch.bfloat16)
+    runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, 4, 2, "cuda",
+                           n_splits=4, one_launch=one_launch)
+    plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
+                       p.kv_indices, sm_scale=p.sm_scale)
+    first = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())  # compiles
+    blocks, freed = {}, []
+
+    def raw_alloc(nbytes, stream):
+        assert nbytes == plan.scratch_bytes and stream == torch.cuda.current_stream().cuda_stream
+        t = torch.full((nbytes // 4,), float("nan"), device="cuda")
+        blocks[t.data_ptr()] = t
+        return t.data_ptr()
+
+    monkeypatch.setattr(runner_module, "_raw_alloc", raw_alloc)
+    monkeypatch.setattr(runner_module, "_raw_delete", freed.append)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        again = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    torch.cuda.synchronize()
+    assert len(blocks) == 1 and freed == list(blocks)
+    assert not torch.isnan(next(iter(blocks.values()))).all()  # the slices wrote their partials there
+    assert_matches_reference(again, p)
+    assert torch.equal(again, first)
+
+
 def test_cuda_is_there():
     assert CUDA
 

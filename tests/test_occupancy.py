@@ -254,11 +254,11 @@ def _run_default_scratch_poisoned(plan, p, monkeypatch):
     size = plan.grid[0] * plan.n_splits * plan.config.block_m * (p.v_head_dim + 1)
     real_new = type(plan)._new_partials
 
-    def new_partials(self):
-        t = real_new(self)
-        assert t.dtype == torch.float32 and t.shape == (size,)
+    def new_partials(self, stream, raw):
+        t, address = real_new(self, stream, False)  # a tensor, whatever the run asked for
+        assert t.dtype == torch.float32 and t.shape == (size,) and address == t.data_ptr()
         caught.append(t.fill_(float("nan")))
-        return t
+        return t, address
 
     with monkeypatch.context() as m:
         m.setattr(type(plan), "_new_partials", new_partials)
