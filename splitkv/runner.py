@@ -22,11 +22,11 @@ says which a launch uses). Two ways to provide them:
   queued: no tensor is made). Under CUDA-graph capture that memory belongs
   to the graph's private pool and keeps its address for every replay; on two
   streams at once each call gets its own; and it returns to the cache when
-  the call is over, so memory never grows with streams or batch sizes. The counters must start at
-  zero and be kept between calls: each stream gets a slice (4 bytes per
-  tile) of a per-device arena zeroed before any capture (:func:`counters`),
-  and every launch leaves them zeroed. The merge in a second launch
-  (``SEPARATE_MERGE``) needs no counters.
+  the call is over, so memory never grows with streams or batch sizes. The
+  counters must start at zero and be kept between calls: each stream gets a
+  slice (4 bytes per tile) of a per-device arena zeroed before any capture
+  (:func:`counters`), and every launch leaves them zeroed. The merge in a
+  second launch (``SEPARATE_MERGE``) needs no counters.
 * a caller-owned ``workspace`` (see :func:`workspace_bytes`), for engines
   that allocate everything up front: counters and partials are carved from
   it, nothing is allocated per call. The caller allocates it zeroed
@@ -123,7 +123,8 @@ ARENA_COUNTERS = 1 << 20
 
 # The caching allocator's raw blocks (CUDA builds of PyTorch): an address, no tensor. A
 # run's partials need nothing more, and a tensor's construction and destruction cost more
-# than the alloc / delete pair (H200 host, 2026-12-01: 4.6-4.8 µs against 1.6-1.8 for 2 MB).
+# than the alloc / delete pair (2 MB on a slower CPU of the H200's host, 2026-12-01: 4.6-4.8 µs
+# against 1.6-1.8; the whole call 2.2-6.3 µs faster in an A/B, see docs/benchmarks.md).
 _raw_alloc = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_alloc", None)
 _raw_delete = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_delete", None)
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
