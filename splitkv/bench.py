@@ -415,9 +415,8 @@ def fastest_cpu() -> Optional[dict]:
 def _host_round(timer: Timer, fn: Callable, rec: dict) -> None:
     """One more host-time round into ``rec`` (with the timer's CPU pick, where it pinned); ``host_us``: the fastest."""
     rec.setdefault("host_rounds_us", []).append(timer.host(fn))
-    cpu = getattr(timer, "last_host_cpu", None)
-    if cpu:
-        rec.setdefault("host_cpus", []).append(cpu)
+    if timer.last_host_cpu:
+        rec.setdefault("host_cpus", []).append(timer.last_host_cpu)
     rec["host_us"] = min(rec["host_rounds_us"])
 
 
@@ -922,7 +921,8 @@ write benchmark_<gpu>_quick / benchmark_<gpu>_custom instead; --out overrides.
 time: the full default sweep (36 shapes x 2 pools = 72 rows) takes about
 9 minutes on an H200 (about 1.5 of them drawing random K/V pools on the host,
 about 2 compiling FlexAttention once per shape, and about 1.5 the host-time
-rounds, whose calls each wait for the GPU); every row prints its elapsed seconds. --quick (4 rows) takes under a minute.
+rounds, whose bursts wait for the GPU); every row prints its elapsed seconds.
+--quick (4 rows) takes under a minute.
 """
 
 
