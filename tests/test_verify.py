@@ -125,6 +125,15 @@ def test_all_prefixes_empty():
     assert_matches_reference(run_runner(p, 4), p)
 
 
+def test_empty_pool():
+    """Pools of no rows (nothing cached yet): the drafts attend to each other alone, on every path."""
+    p = make_problem([0, 0, 0], [5, 1, 3], 4, 2, 32, device=DEVICE)
+    p = p.replace(k_buffer=p.k_buffer[:0], v_buffer=p.v_buffer[:0])
+    assert_matches_reference(run_split(p), p)
+    assert_matches_reference(run_runner(p, 4), p)
+    assert_matches_reference(verify_attention(*p.args(None), **p.kwargs()), p)
+
+
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_index_dtypes(index_dtype):
     p = make_problem([54, 97], 4, 4, 2, 32, index_dtype=index_dtype, device=DEVICE)
