@@ -158,9 +158,9 @@ def soft_cap(s, cap):
     Per score: one multiply by a per-program constant, one ``exp2``, one
     division. ``tanh(x) = 1 - 2 / (1 + e^(2x))`` saturates cleanly: ``2^(+inf)``
     gives ``cap``, ``2^(-inf)`` gives ``-cap``. Measured on the H200 (Gemma-2-9B,
-    batch 8, bf16, ``python -m splitkv.bench_breadth``): the cap costs 4 % over
-    the plain call, where ``cap * (2 sigmoid(2 s / cap) - 1)`` (two divisions)
-    cost 6-8 %.
+    batch 8, bf16, ``python -m splitkv.bench_breadth``): the cap costs 1 % over
+    the plain call in the committed run (3-4 % in an earlier one), where
+    ``cap * (2 sigmoid(2 s / cap) - 1)`` (two divisions) cost 6-8 %.
     """
     return cap - 2.0 * cap / (1.0 + tl.exp2(s * (2.0 * 1.4426950408889634 / cap)))
 
