@@ -14,11 +14,16 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 VENV_FLAGS ?=
 BIN    := $(VENV)/bin
-# Stamps: the package (+ torch), and the package with every extra.
-CORE_STAMP := $(VENV)/.installed-core
-ALL_STAMP  := $(VENV)/.installed-all
+# Without a GPU the kernels run through Triton's interpreter, which needs the
+# `interpreter` extra (an older NumPy); a GPU machine keeps its NumPy.
+CORE_EXTRA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo . || echo .[interpreter])
+# Stamps: the package (+ torch), the package with the benchmark's tools (the
+# dev extra: pytest, hypothesis, matplotlib, tqdm), and the package with every extra.
+CORE_STAMP  := $(VENV)/.installed-core
+BENCH_STAMP := $(VENV)/.installed-bench
+ALL_STAMP   := $(VENV)/.installed-all
 
-.PHONY: demo test docs notebooks bench setup setup-all reinstall
+.PHONY: demo test docs notebooks bench check-gpu setup setup-all reinstall
 
 $(BIN)/activate:
 	@echo ">> Creating the virtual environment $(VENV)"
@@ -27,13 +32,18 @@ $(BIN)/activate:
 
 $(CORE_STAMP): pyproject.toml | $(BIN)/activate
 	@echo ">> Installing splitkv, PyTorch and Triton into $(VENV) (quiet; about a minute the first time)"
-	$(BIN)/python -m pip install -q $(TORCH) -e .
+	$(BIN)/python -m pip install -q $(TORCH) -e "$(CORE_EXTRA)"
 	@touch $@
 
 $(ALL_STAMP): pyproject.toml | $(BIN)/activate
 	@echo ">> Installing splitkv with its test, notebook and docs tools into $(VENV) (quiet; 1-2 minutes the first time)"
 	$(BIN)/python -m pip install -q $(TORCH) -e ".[dev,notebooks,docs]"
 	@$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	@touch $@ $(CORE_STAMP) $(BENCH_STAMP)
+
+$(BENCH_STAMP): pyproject.toml | $(BIN)/activate
+	@echo ">> Installing splitkv with the benchmark's tools into $(VENV) (quiet; about a minute the first time)"
+	$(BIN)/python -m pip install -q $(TORCH) -e ".[dev]"
 	@touch $@ $(CORE_STAMP)
 
 ## Install the package (and PyTorch) into .venv; a no-op when up to date.
@@ -44,7 +54,8 @@ setup-all: $(ALL_STAMP)
 
 ## Run pip again now, whatever the stamps say (e.g. after changing TORCH).
 reinstall:
-	@if [ -e $(ALL_STAMP) ]; then rm -f $(CORE_STAMP) $(ALL_STAMP); $(MAKE) --no-print-directory setup-all; \
+	@if [ -e $(ALL_STAMP) ]; then rm -f $(CORE_STAMP) $(BENCH_STAMP) $(ALL_STAMP); $(MAKE) --no-print-directory setup-all; \
+	elif [ -e $(BENCH_STAMP) ]; then rm -f $(CORE_STAMP) $(BENCH_STAMP); $(MAKE) --no-print-directory $(BENCH_STAMP); \
 	else rm -f $(CORE_STAMP); $(MAKE) --no-print-directory setup; fi
 
 ## The demo: split-KV against the float64 oracle and the baseline, with times
@@ -67,6 +78,14 @@ notebooks: $(ALL_STAMP)
 docs: $(ALL_STAMP)
 	$(BIN)/mkdocs serve
 
-## The benchmark (GPU only): writes figures/benchmark_h200.json and the plots.
-bench: $(ALL_STAMP)
+## The benchmark (GPU only): writes figures/benchmark_<gpu>.json and .md and the plots.
+## Checks for a GPU first, then installs only what the benchmark needs.
+bench: check-gpu
+	@$(MAKE) --no-print-directory $(BENCH_STAMP)
 	$(BIN)/python -m splitkv.bench
+
+# An NVIDIA GPU (nvidia-smi lists one) or an AMD one (/dev/kfd, ROCm), else stop at once.
+check-gpu:
+	@if nvidia-smi -L >/dev/null 2>&1 || [ -e /dev/kfd ]; then :; else \
+	echo "make bench needs a GPU (nvidia-smi finds none here). On a CPU, make demo runs the kernels" \
+	     "through Triton's interpreter; the H200 results are in figures/benchmark_h200.md."; exit 1; fi

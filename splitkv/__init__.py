@@ -14,7 +14,9 @@ Public names:
   attention states;
 * :func:`can_handle` / :func:`decline_reason` -- the gate;
 * :func:`choose_n_splits` -- the split chooser;
-* :func:`get_runner`, :func:`clear_caches` -- the drop-in's caches;
+* :func:`check_device_errors` and :class:`VerifyError` -- faults the checked
+  kernel found (:mod:`splitkv.errors`);
+* :func:`get_runner`, :func:`clear_caches` -- the entries' caches;
 * :func:`extend_attention_fwd` -- the baseline prefill/extend kernel.
 
 Problem builders, model shapes and the float64 oracle are in
@@ -32,6 +34,7 @@ if not _torch.cuda.is_available():
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from .api import clear_caches, get_runner, verify_attention, verify_splitkv_fwd  # noqa: E402
+from .errors import VerifyError, check_device_errors  # noqa: E402
 from .extend import extend_attention_fwd  # noqa: E402
 from .gate import can_handle, decline_reason  # noqa: E402
 from .merge import merge_state, merge_states  # noqa: E402
@@ -57,5 +60,7 @@ __all__ = [
     "verify_attention_op",
     "merge_states_op",
     "clear_caches",
+    "check_device_errors",
+    "VerifyError",
     "extend_attention_fwd",
 ]

@@ -1,4 +1,4 @@
-"""``python -m splitkv demo`` (or ``splitkv demo``): the package's demo.
+"""``python -m splitkv`` (or ``splitkv``; ``demo`` may be named): the package's demo.
 
 Builds verify problems for the labelled model shapes, runs the split-KV path,
 the baseline ``extend_attention_fwd`` and the float64 oracle, and prints one
@@ -92,7 +92,7 @@ def _help_text() -> tuple:
         "splitkv: split-KV (flash-decode) attention for the target-verify step of",
         "speculative decoding, in Triton.",
         "",
-        "command:",
+        "command (optional; the demo is the only one and runs by default):",
         "  demo  build verify problems (4 draft tokens per sequence attending to a",
         "        long cached prefix) for three model head shapes; run the split-KV",
         "        path, the baseline extend_attention_fwd and a float64 oracle; print",
@@ -125,7 +125,8 @@ def main(argv=None, prog: str = "splitkv") -> int:
         prog=prog, description=description, epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("command", choices=["demo"], help="what to run (see above)")
+    ap.add_argument("command", nargs="?", default="demo", choices=["demo"],
+                    help="what to run (see above; default: demo)")
     ap.add_argument("--version", action="version", version=f"splitkv {__version__}")
     ap.parse_args(argv)
     return demo(torch.cuda.is_available())

@@ -19,8 +19,9 @@ two floors:
 Implementations:
 
 * ``splitkv``  -- this package's drop-in (GQA-packed split-KV, adaptive splits);
-* ``splitkv_invariant`` -- the same with ``split_tokens=1024``: fixed-size
-  splits, so a sequence's output does not depend on its batch;
+* ``splitkv_invariant`` -- the same with ``split_tokens=1024`` (and
+  ``max_prefix_len`` the row's prefix): fixed-size splits, so a sequence's
+  output does not depend on its batch;
 * ``seed``     -- the seed's layout: one program per query head, fixed 4/8/16
   splits by prefix length, 32-key tiles, no pipelining (same kernels, other
   launch parameters);
@@ -79,10 +80,7 @@ import torch
 from .api import verify_splitkv_fwd
 from .extend import extend_attention_fwd
 from .floor import search_gather_floor
-try:  # the seed's tile shape: TileConfig moved from splitkv.partials to splitkv.kernel
-    from .kernel import TileConfig
-except ImportError:  # pragma: no cover - older layout
-    from .partials import TileConfig
+from .kernel import TileConfig
 from .runner import VerifySplitKV
 from .testing.graphs import capture_graph
 from .testing.problem import MODEL_SHAPES, VerifyProblem, make_problem
@@ -238,7 +236,8 @@ def make_impl(name: str, p: VerifyProblem, out: torch.Tensor, dense: Optional[di
     if name == "splitkv":
         return lambda: verify_splitkv_fwd(*args, **kw, max_bs=p.batch_size)
     if name == "splitkv_invariant":
-        return lambda: verify_splitkv_fwd(*args, **kw, max_bs=p.batch_size, split_tokens=INVARIANT_SPLIT_TOKENS)
+        return lambda: verify_splitkv_fwd(*args, **kw, max_bs=p.batch_size, split_tokens=INVARIANT_SPLIT_TOKENS,
+                                          max_prefix_len=max(p.prefix_lens))
     if name == "seed":
         seed = VerifySplitKV(
             p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
@@ -428,11 +427,8 @@ def _declined_message(p: VerifyProblem, out: torch.Tensor) -> str:
     try:
         from .gate import decline_reason
 
-        a = p.args(out)
-        reason = decline_reason(
-            a[0], a[1], a[2], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12],
-            sinks=p.sinks, k_scale=p.k_scale, v_scale=p.v_scale, sm_scale=p.sm_scale, o_extend=out,
-        )
+        t = p.tensors(out)
+        reason = decline_reason(*t[:3], *t[4:], **p.options(), o_extend=out)
     except Exception:  # the gate's signature is not this module's business
         reason = None
     return f"verify_splitkv_fwd declined the call (returned False){': ' + reason if reason else ''}"

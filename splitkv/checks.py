@@ -17,8 +17,8 @@ import torch
 
 from .paged import paged_prefix_lens
 
-__all__ = ["Dims", "check_verify_inputs", "check_verify_values", "check_features", "interpreting", "ACT_DTYPES",
-           "KV_DTYPES"]
+__all__ = ["Dims", "check_verify_inputs", "check_verify_values", "check_features", "check_output",
+           "check_batch_invariant", "check_dropin_types", "interpreting", "ACT_DTYPES", "KV_DTYPES"]
 
 #: dtypes of queries, draft K/V and outputs.
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -244,8 +244,8 @@ def check_verify_values(
 ) -> None:
     """Validate the *values* of a verify call's metadata (the checked mode).
 
-    Checks, per sequence ``b``: ``qo_indptr`` and ``kv_indptr`` start at 0 and
-    never decrease; ``qo_indptr[-1] <= num_tokens`` and ``kv_indptr[-1] <=
+    Checks, per sequence ``b``: ``qo_indptr`` and ``kv_indptr`` start at 0 or
+    later (a sub-batch's view) and never decrease; ``qo_indptr[-1] <= num_tokens`` and ``kv_indptr[-1] <=
     len(kv_indices)``; the draft count ``qo_indptr[b+1] - qo_indptr[b]`` is at
     most ``max_len_extend``; every slot ``kv_indices[kv_indptr[0]:kv_indptr[-1]]``
     is in ``[0, pool_tokens)``; with a ``custom_mask``, each sequence's mask
@@ -264,8 +264,8 @@ def check_verify_values(
     qo = qo_indptr.to(torch.int64)
     kv = kv_indptr.to(torch.int64)
     for name, ptr in (("qo_indptr", qo), ("kv_indptr", kv)):
-        if int(ptr[0]) != 0:
-            raise ValueError(f"{name}[0] is {int(ptr[0])}, must be 0")
+        if int(ptr[0]) < 0:  # a sub-batch's view may start anywhere inside its tensors
+            raise ValueError(f"{name}[0] is {int(ptr[0])}, must be >= 0")
         b = _first_bad(ptr[1:] < ptr[:-1])
         if b >= 0:
             raise ValueError(f"sequence {b}: {name} decreases ({int(ptr[b])} -> {int(ptr[b + 1])})")
@@ -279,6 +279,7 @@ def check_verify_values(
         raise ValueError(f"sequence {b}: {int(n_draft[b])} draft tokens exceed max_len_extend={max_len_extend}")
     used = kv_indices[: int(kv[-1])].to(torch.int64)
     bad = (used < 0) | (used >= pool_tokens)
+    bad[: int(kv[0])] = False  # before the first sequence: not part of this call
     pos = _first_bad(bad)
     if pos >= 0:
         seq = int(torch.searchsorted(kv[1:], torch.tensor(pos, device=kv.device), right=True))
@@ -305,3 +306,63 @@ def check_verify_values(
                 f"{int(n_draft[b])} x {int(n_prefix[b] + n_draft[b])} mask outside custom_mask "
                 f"({custom_mask.numel()} entries)"
             )
+
+
+def check_output(out, lse, out_shape, wants_lse: bool) -> None:
+    """Validate a run's ``out`` (``out_shape``, unit last stride, an activation dtype) and ``lse``
+    (``out_shape[:2]`` contiguous float32, given exactly when ``wants_lse``). Host attributes only.
+
+    The device is the caller's to check (with the layer's tensors).
+    """
+    if not isinstance(out, torch.Tensor):
+        _fail(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.shape != out_shape or out.dtype not in ACT_DTYPES or (out.stride(2) != 1 and out_shape[2] > 1):
+        _fail(f"out must be {list(out_shape)} float16/bfloat16/float32 with a unit last stride, got "
+              f"{list(out.shape)} {out.dtype} with strides {out.stride()}")
+    if lse is None:
+        if wants_lse:
+            _fail("this plan writes the LSE (return_lse=True): pass lse, a [tokens, H_Q] float32 tensor")
+        return
+    if not wants_lse:
+        _fail("lse given to a plan made without return_lse")
+    if not isinstance(lse, torch.Tensor):
+        _fail(f"lse must be a torch.Tensor, got {type(lse).__name__}")
+    if (lse.shape != out_shape[:2] or lse.dtype != torch.float32 or lse.device != out.device
+            or lse.stride() != (out_shape[1], 1)):
+        _fail(f"lse must be a contiguous {list(out_shape[:2])} float32 tensor on {out.device}, got "
+              f"{list(lse.shape)} {lse.dtype} on {lse.device} with strides {lse.stride()}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_batch_invariant(split_tokens, max_prefix_len) -> None:
+    """``split_tokens`` (a positive multiple of 128, or ``None``) and its bound ``max_prefix_len``.
+
+    Raises ``ValueError`` for a bad value, or for one given without the other.
+    """
+    if split_tokens is None:
+        if max_prefix_len is not None:
+            _fail("max_prefix_len bounds the batch-invariant mode's slices: give it with split_tokens")
+        return
+    if not _is_int(split_tokens) or split_tokens < 128 or split_tokens % 128:
+        _fail(f"split_tokens must be a positive multiple of 128 (whole key tiles), got {split_tokens!r}")
+    if max_prefix_len is None:
+        _fail("split_tokens needs max_prefix_len, the most prefix keys of any sequence: "
+              "it sizes the grid's slices and their scratch")
+    if not _is_int(max_prefix_len) or max_prefix_len < 1:
+        _fail(f"max_prefix_len must be a positive int, got {max_prefix_len!r}")
+
+
+def check_dropin_types(custom_mask, is_causal, mask_indptr, max_len_extend) -> None:
+    """The drop-in's positional arguments after ``kv_indices`` have the types ``extend_attention_fwd``
+    takes: a ``TypeError`` naming the first that does not (a swapped argument, say)."""
+    if custom_mask is not None and not isinstance(custom_mask, torch.Tensor):
+        raise TypeError(f"custom_mask must be a tensor or None, got {type(custom_mask).__name__}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if mask_indptr is not None and not isinstance(mask_indptr, torch.Tensor):
+        raise TypeError(f"mask_indptr must be a tensor or None, got {type(mask_indptr).__name__}")
+    if not _is_int(max_len_extend):
+        raise TypeError(f"max_len_extend must be an int, got {type(max_len_extend).__name__}")

@@ -11,8 +11,9 @@ The split path computes exactly what ``extend_attention_fwd`` computes when
 with any of the score features: ``logit_cap``, a sliding window (with
 ``window_kv_offsets``), xai temperature, attention ``sinks``, k/v scales; on
 a token pool or a paged pool (``kv_last_page_len``). So it declines only a
-custom mask on the prefix, sizes past a launch limit, bfloat16 under the
-interpreter, and malformed input.
+custom mask on the prefix, sizes past a launch limit, head dims whose
+smallest tile does not fit the device's shared memory
+(:mod:`splitkv.resources`), bfloat16 under the interpreter, and malformed input.
 
 The gate decides from shapes, dtypes, devices and Python scalars alone. It
 never reads a tensor's values: the verify step runs inside captured CUDA
@@ -29,10 +30,11 @@ from typing import Optional
 
 import torch
 
-from .checks import check_features, check_verify_inputs
-from .kernel import block_m_for, rows_per_tile
+from .checks import check_batch_invariant, check_features, check_verify_inputs
+from .kernel import TileConfig, block_m_for, rows_per_tile
 from .occupancy import head_tiles
-from .splits import MAX_GRID_SPLITS, fixed_n_splits
+from .resources import device_shared_memory, shared_memory_reason
+from .splits import MAX_SPLITS, fixed_n_splits, launch_limit_reason
 
 __all__ = ["can_handle", "decline_reason", "MAX_DRAFT_TOKENS"]
 
@@ -54,15 +56,15 @@ def decline_reason(
     qo_indptr,
     kv_indptr,
     kv_indices,
-    custom_mask,
-    is_causal,
-    mask_indptr,
+    *,
     max_len_extend,
+    custom_mask=None,
+    mask_indptr=None,
+    is_causal=True,
     sliding_window_size=-1,
     sinks=None,
     logit_cap=0.0,
     xai_temperature_len=-1,
-    *,
     skip_prefix_custom_mask=True,
     window_kv_offsets=None,
     k_scale=1.0,
@@ -71,6 +73,7 @@ def decline_reason(
     o_extend=None,
     max_bs=None,
     split_tokens=None,
+    max_prefix_len=None,
     kv_last_page_len=None,
 ) -> Optional[str]:
     """Why the split path declines this call, or ``None`` if it serves it.
@@ -96,41 +99,43 @@ def decline_reason(
         )
         check_features(dims, logit_cap, sliding_window_size, window_kv_offsets, xai_temperature_len,
                        q_extend.device)
+        check_batch_invariant(split_tokens, max_prefix_len)
     except ValueError as err:
         return f"malformed input: {err}"
+    if not isinstance(is_causal, bool):
+        return f"malformed input: is_causal must be a bool, got {type(is_causal).__name__}"
     if not 1 <= max_len_extend <= MAX_DRAFT_TOKENS:
         return f"max_len_extend {max_len_extend} outside [1, {MAX_DRAFT_TOKENS}]"
-    if dims.num_tokens > dims.batch_size * max_len_extend:
-        return "malformed input: more draft rows than batch_size * max_len_extend"
     if q_extend.device.type == "cpu" and q_extend.dtype == torch.bfloat16:
         return "bfloat16 under the Triton interpreter (its bf16 tl.dot is wrong)"
-    return _launch_limit(dims, max_len_extend, kv_indices.shape[0] * dims.page_size, max_bs, split_tokens)
+    return _launch_limit(dims, max_len_extend, kv_indices.shape[0] * dims.page_size, max_bs,
+                         split_tokens, max_prefix_len) or _tile_reason(dims, max_len_extend, k_buffer.dtype,
+                                                                        q_extend.dtype, q_extend.device)
 
 
-def _launch_limit(dims, max_len_extend: int, keys: int, max_bs, split_tokens) -> Optional[str]:
-    """Why a launch for these sizes would exceed a CUDA or 32-bit limit, or ``None``.
+def _tile_reason(dims, max_len_extend: int, kv_dtype, q_dtype, device) -> Optional[str]:
+    """Why not even the smallest tile (16 keys, one stage) fits the device's shared memory, or ``None``.
 
-    The grid is ``(batch x head_tiles, n_splits)``: axis 0 holds up to
-    ``2^31 - 1`` programs, axis 1 (slices) up to 65535. Adaptive slices are at
-    most 64; fixed slices are ``cdiv(keys, split_tokens)``, ``keys`` being
-    ``len(kv_indices)`` times the page size (1 for a token pool). Pool rows,
-    draft rows and mask positions are 64-bit in the kernel; key positions
-    are 32-bit.
+    The plan starts from the tuned tile and shrinks it the same way
+    (:func:`splitkv.resources.fit_tile`), so it always finds a tile the gate let through.
+    """
+    block_m = block_m_for(rows_per_tile(dims.group, max_len_extend))
+    smallest = TileConfig(block_m, 16, 4, 1)
+    return shared_memory_reason(smallest, dims.head_dim, dims.v_head_dim, kv_dtype, q_dtype,
+                                device_shared_memory(device), dims.page_size, max_len_extend)
+
+
+def _launch_limit(dims, max_len_extend: int, keys: int, max_bs, split_tokens, max_prefix_len) -> Optional[str]:
+    """Why a launch for these sizes would pass a CUDA or 32-bit limit, or ``None``.
+
+    The grid is ``(batch x head_tiles, n_splits)`` (:func:`splitkv.splits.launch_limit_reason`):
+    adaptive slices are at most 64, fixed ones ``cdiv(max_prefix_len, split_tokens)``.
     """
     block_m = block_m_for(rows_per_tile(dims.group, max_len_extend))
     tiles = max(dims.batch_size, max_bs or 0) * head_tiles(
         dims.num_q_heads, dims.num_kv_heads, max_len_extend, block_m)
-    if tiles >= 2**31:
-        return f"launch limit: {tiles} tiles exceed CUDA's 2^31 - 1 programs on grid axis 0"
-    if keys >= 2**31:
-        return f"launch limit: {keys} prefix keys exceed 32-bit positions"
-    if split_tokens is not None:
-        if not isinstance(split_tokens, int) or split_tokens < 128 or split_tokens % 128:
-            return f"split_tokens must be a positive multiple of 128, got {split_tokens!r}"
-        if fixed_n_splits(keys, split_tokens) > MAX_GRID_SPLITS:
-            return (f"launch limit: {fixed_n_splits(keys, split_tokens)} slices of {split_tokens} tokens "
-                    f"exceed CUDA's {MAX_GRID_SPLITS} on grid axis 1")
-    return None
+    n_splits = MAX_SPLITS if split_tokens is None else fixed_n_splits(max_prefix_len, split_tokens)
+    return launch_limit_reason(tiles, n_splits, keys)
 
 
 def can_handle(
@@ -142,69 +147,37 @@ def can_handle(
     qo_indptr,
     kv_indptr,
     kv_indices,
-    custom_mask,
-    is_causal,
-    mask_indptr,
-    max_len_extend,
-    sliding_window_size=-1,
-    sinks=None,
-    logit_cap=0.0,
-    xai_temperature_len=-1,
     *,
-    skip_prefix_custom_mask=True,
-    window_kv_offsets=None,
-    k_scale=1.0,
-    v_scale=1.0,
-    sm_scale=None,
-    o_extend=None,
-    kv_last_page_len=None,
+    max_len_extend,
+    **options,
 ) -> bool:
     """True iff the split-KV path computes exactly what ``extend_attention_fwd`` would.
 
     Reads shapes, dtypes, devices and Python scalars only (CUDA-graph safe).
     Malformed input is declined, not raised: use :func:`decline_reason` to
-    see why a call is declined. The positional order is the seed's
-    ``can_handle`` (``extend_attention_fwd``'s first arguments without
-    ``o_extend``, then four feature flags); the rest are keywords.
+    see why a call is declined. Everything after ``kv_indices`` is a keyword,
+    named as in :func:`splitkv.verify_attention`.
 
     Args:
         q_extend: draft queries ``[tokens, H_Q, D]``.
         k_extend: draft keys ``[tokens, H_KV, D]``.
         v_extend: draft values ``[tokens, H_KV, Dv]``.
-        k_buffer: the key pool ``[pool_tokens, H_KV, D]``.
+        k_buffer: the key pool ``[pool_tokens, H_KV, D]`` (paged: ``[pages, page_size, H_KV, D]``).
         v_buffer: the value pool ``[pool_tokens, H_KV, Dv]``.
         qo_indptr: ``[bs + 1]`` draft rows per sequence.
         kv_indptr: ``[bs + 1]`` ranges of ``kv_indices`` per sequence.
-        kv_indices: prefix slots in the pool.
-        custom_mask: ``None`` or the flat tree mask.
-        is_causal: causal draft block when there is no ``custom_mask``.
-        mask_indptr: ``[bs + 1]`` start of each sequence's mask.
+        kv_indices: prefix slots in the pool (paged: page ids).
         max_len_extend: most draft tokens of any sequence (in ``[1, 64]``).
-        sliding_window_size: ``> 0``: sliding window (served).
-        sinks: ``None`` or ``[H_Q]`` sink logits (served).
-        logit_cap: ``> 0``: logit cap (served).
-        xai_temperature_len: ``> 0``: xai temperature (served; 1 is malformed).
-        skip_prefix_custom_mask: declined when ``False`` with a ``custom_mask``.
-        window_kv_offsets: ``[bs]`` mask column offsets (served).
-        k_scale: must be a finite Python number.
-        v_scale: must be a finite Python number.
-        sm_scale: ``None`` or a finite Python number.
-        o_extend: the output, checked when given.
-        kv_last_page_len: ``[bs]`` rows used in each last page, for a paged pool.
+        **options: :func:`decline_reason`'s keywords: ``custom_mask``,
+            ``mask_indptr``, ``is_causal``, ``sliding_window_size``, ``sinks``,
+            ``logit_cap``, ``xai_temperature_len``, ``skip_prefix_custom_mask``
+            (declined when ``False`` with a ``custom_mask``),
+            ``window_kv_offsets``, ``k_scale``/``v_scale``/``sm_scale``
+            (finite Python numbers), ``o_extend`` (checked when given),
+            ``max_bs``, ``split_tokens`` and ``max_prefix_len``, ``kv_last_page_len``.
 
     Returns:
         ``True`` when the split path serves the call exactly.
     """
-    return (
-        decline_reason(
-            q_extend, k_extend, v_extend, k_buffer, v_buffer,
-            qo_indptr, kv_indptr, kv_indices, custom_mask, is_causal,
-            mask_indptr, max_len_extend, sliding_window_size, sinks,
-            logit_cap, xai_temperature_len,
-            skip_prefix_custom_mask=skip_prefix_custom_mask,
-            window_kv_offsets=window_kv_offsets,
-            k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale, o_extend=o_extend,
-            kv_last_page_len=kv_last_page_len,
-        )
-        is None
-    )
+    return decline_reason(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+                          max_len_extend=max_len_extend, **options) is None

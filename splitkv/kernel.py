@@ -111,8 +111,19 @@ Bounds. Every gather is bounded: pool slots outside ``[0, pool_tokens)``,
 index positions outside ``kv_indices``, mask positions outside
 ``custom_mask`` and rows outside the draft tensors are never dereferenced (a
 key with a bad slot is treated as absent). Malformed metadata gives a wrong
-answer, never an illegal address; the checked mode
-(:func:`splitkv.checks.check_verify_values`) turns it into a ``ValueError``.
+answer, never an illegal address.
+
+Checks. With ``CHECK`` the kernel also reports what it bounded: the program
+of each sequence's first slice checks the sequence's indptrs, draft count
+(against ``max_draft``), last-page length and, in the batch-invariant mode,
+that its prefix fits the grid's slices; every program checks the slots it
+gathers and the mask positions it reads. A fault is stored as ``sequence * 16
++ field`` (``ERR_*``) in ``Err``, one int32 word the host reads without
+waiting for the kernel (:mod:`splitkv.errors`): with several faults, one of
+them. Whatever ``CHECK`` says, counters that no launch could have left
+(a workspace holding garbage, or shared by two streams at once) are
+reported as ``ERR_COUNTERS``, and a merge program stops waiting for its
+slices after ``spin_limit`` polls (``ERR_MERGE_WAIT``): never a hang.
 
 fp8 pools. K and V rows are widened on chip to the query's dtype, except
 that bf16 queries meet fp8 keys in float16 (``DOT_F16``): one instruction
@@ -147,6 +158,18 @@ SEPARATE_MERGE = 0
 LAST_PROGRAM = 1
 #: ``MERGE``: merge programs in the verify grid, after the slices' programs.
 MERGE_PROGRAMS = 2
+
+# Faults the kernel reports in its error word (see "Checks"), as ``sequence * 16 + field``;
+# :data:`splitkv.errors.FIELDS` names them.
+ERR_QO_INDPTR = tl.constexpr(1)
+ERR_DRAFTS = tl.constexpr(2)
+ERR_KV_INDPTR = tl.constexpr(3)
+ERR_SLOT = tl.constexpr(4)
+ERR_LAST_PAGE = tl.constexpr(5)
+ERR_MASK = tl.constexpr(6)
+ERR_PREFIX_BOUND = tl.constexpr(7)
+ERR_COUNTERS = tl.constexpr(8)
+ERR_MERGE_WAIT = tl.constexpr(9)
 
 
 @triton.jit
@@ -268,6 +291,27 @@ def _tile_slices(tile, qo_indptr, kv_indptr, Last_Page_Len, num_tokens, kv_len, 
 
 
 @triton.jit
+def _check_sequence(Err, b, qo_indptr, kv_indptr, Last_Page_Len, num_tokens, kv_len, max_draft, n_keys, n_splits,
+                    PAGE_SIZE: tl.constexpr, SPLIT_TOKENS: tl.constexpr):
+    """Checked mode: report sequence ``b``'s malformed metadata in the error word (see "Checks")."""
+    q0 = tl.load(qo_indptr + b)
+    q1 = tl.load(qo_indptr + b + 1)
+    k0 = tl.load(kv_indptr + b)
+    k1 = tl.load(kv_indptr + b + 1)
+    code = b * 16
+    tl.store(Err, code + ERR_QO_INDPTR, mask=(q0 < 0) | (q1 < q0) | (q1 > num_tokens))
+    tl.store(Err, code + ERR_DRAFTS, mask=q1 - q0 > max_draft)
+    tl.store(Err, code + ERR_KV_INDPTR, mask=(k0 < 0) | (k1 < k0) | (k1 > kv_len))
+    if PAGE_SIZE > 1:
+        last = tl.load(Last_Page_Len + b)
+        has_pages = k1 > k0
+        tl.store(Err, code + ERR_LAST_PAGE,
+                 mask=tl.where(has_pages, (last < 1) | (last > PAGE_SIZE), last != 0))
+    if SPLIT_TOKENS > 0:
+        tl.store(Err, code + ERR_PREFIX_BOUND, mask=tl.cdiv(n_keys, SPLIT_TOKENS) > n_splits)
+
+
+@triton.jit
 def _merge_rows(Part_O, Part_LSE, first, n_used, r, row_ok, offs_dv, dv_ok,
                 BLOCK_M: tl.constexpr, V_HEAD_DIM: tl.constexpr, MERGE_UNROLL: tl.constexpr):
     """Merge slices ``0 .. n_used-1`` of tile rows ``r`` (columns ``offs_dv``) in order.
@@ -310,11 +354,12 @@ def _pool_offset(index, OFFSETS_32: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["lse_offset", "num_tokens", "pool_tokens", "kv_len", "mask_len", "n_splits",
-                               "min_split", "window", "xai_len"])
+                               "min_split", "window", "xai_len", "max_draft", "spin_limit"])
 def _verify_kernel(
     Q, K_Ext, V_Ext, K_Buf, V_Buf, O, LSE_Out,
     qo_indptr, kv_indptr, kv_indices, Last_Page_Len, Mask, mask_indptr, Mask_Offsets, Sinks,
     Part_O, lse_offset, Counters,  # scratch: partial outputs, then (at lse_offset) partial LSEs
+    Err,  # the error word (see "Checks")
     qk_scale_prefix,  # sm_scale * k_scale * log2(e)
     qk_scale_draft,  # sm_scale * log2(e)
     v_scale,
@@ -327,6 +372,8 @@ def _verify_kernel(
     min_split,  # adaptive mode: fewest keys per slice (a multiple of BLOCK_N)
     window,  # sliding window: a query at position p sees keys at positions >= p - window
     xai_len,  # xai temperature length
+    max_draft,  # max_len_extend (checked mode)
+    spin_limit,  # most polls of a merge program's wait
     stride_qt, stride_qh,
     stride_ket, stride_keh,
     stride_vet, stride_veh,
@@ -364,10 +411,15 @@ def _verify_kernel(
     USE_PDL: tl.constexpr,  # let _merge_kernel launch while this grid drains
     DOT_PRECISION: tl.constexpr,
     DOT_F16: tl.constexpr,  # fp8 pool, bf16 queries: prefix dots in float16 (see "fp8 pools")
+    CHECK: tl.constexpr,  # validate the metadata, reporting faults in Err (see "Checks")
 ):
     n_tiles = tl.num_programs(0)
     if MERGE == 2:  # MERGE_PROGRAMS: work goes by ticket, in the order programs start
         ticket = tl.atomic_add(Counters + n_tiles, 1, sem="relaxed", scope="gpu")
+        # Tickets run 0 .. programs - 1; anything else means the counters were not zeroed.
+        ticket_ok = (ticket >= 0) & (ticket < n_tiles * tl.num_programs(1))
+        tl.store(Err, ERR_COUNTERS, mask=ticket_ok == 0)
+        ticket = tl.where(ticket_ok, ticket, 0)
         tile = ticket % n_tiles
         split = ticket // n_tiles  # >= n_splits: a merge program
     else:
@@ -380,6 +432,12 @@ def _verify_kernel(
         HEAD_TILES, M_BLOCKS, BLOCK_N, SPLIT_TOKENS, PAGE_SIZE, HAS_WINDOW)
     kv_head = head_tile * HEADS_PER_TILE // GROUP
     has_rows = m_block * BLOCK_M < n_draft * HEADS_PER_TILE
+    if MERGE == 2:
+        has_rows = has_rows & ticket_ok
+    if CHECK:
+        if (split == 0) & (head_tile == 0) & (m_block == 0):
+            _check_sequence(Err, b, qo_indptr, kv_indptr, Last_Page_Len, num_tokens, kv_len, max_draft,
+                            n_prefix - first_key, n_splits, PAGE_SIZE, SPLIT_TOKENS)
     if (split < n_used) & has_rows:
         # Query rows: draft token l, query head h (see the module docstring).
         r = tl.arange(0, BLOCK_M)
@@ -419,6 +477,7 @@ def _verify_kernel(
         # 1. This slice of the prefix: every key visible (or those inside the window).
         lo = first_key + split * split_len
         hi = tl.minimum(lo + split_len, n_prefix)
+        bad_key = tl.zeros([BLOCK_N], tl.int32)  # checked mode: keys whose slot lies outside the pool
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             n_ok = offs_n < hi
@@ -426,7 +485,10 @@ def _verify_kernel(
             # key n is row n % PAGE_SIZE of page kv_indices[kv_start + n // PAGE_SIZE].
             if PAGE_SIZE == 1:
                 slot = tl.load(kv_indices + kv_start + offs_n, mask=n_ok, other=0)
-                n_ok = n_ok & (slot >= 0) & (slot < pool_tokens)
+                slot_ok = (slot >= 0) & (slot < pool_tokens)
+                if CHECK:
+                    bad_key = bad_key | (n_ok & ~slot_ok).to(tl.int32)
+                n_ok = n_ok & slot_ok
                 slot = _pool_offset(slot, OFFSETS_32)
                 k_row = slot * stride_kbt
                 v_row = slot * stride_vbt
@@ -434,7 +496,10 @@ def _verify_kernel(
                 if PAGE_SIZE % BLOCK_N == 0:
                     # Tiles start at multiples of BLOCK_N: the whole tile is in one page.
                     page = tl.load(kv_indices + kv_start + start // PAGE_SIZE)
-                    n_ok = n_ok & ((offs_n * 0 + page) >= 0) & ((offs_n * 0 + page) < pool_tokens)
+                    page_ok = ((offs_n * 0 + page) >= 0) & ((offs_n * 0 + page) < pool_tokens)
+                    if CHECK:
+                        bad_key = bad_key | (n_ok & ~page_ok).to(tl.int32)
+                    n_ok = n_ok & page_ok
                 elif BLOCK_N <= 64 and BLOCK_N % PAGE_SIZE == 0:
                     # The tile is BLOCK_N // PAGE_SIZE whole pages: one page-id load per page,
                     # repeated for its PAGE_SIZE keys. Measured on the H200 (batch 8 / 64k, bf16,
@@ -444,10 +509,13 @@ def _verify_kernel(
                     pg = start // PAGE_SIZE + tl.arange(0, BLOCK_N // PAGE_SIZE)
                     pages = tl.load(kv_indices + kv_start + pg, mask=pg * PAGE_SIZE < hi, other=0)
                     page = tl.reshape(tl.broadcast_to(pages[:, None], (BLOCK_N // PAGE_SIZE, PAGE_SIZE)), (BLOCK_N,))
-                    n_ok = n_ok & (page >= 0) & (page < pool_tokens)
                 else:
                     page = tl.load(kv_indices + kv_start + offs_n // PAGE_SIZE, mask=n_ok, other=0)
-                    n_ok = n_ok & (page >= 0) & (page < pool_tokens)
+                if PAGE_SIZE % BLOCK_N != 0:
+                    page_ok = (page >= 0) & (page < pool_tokens)
+                    if CHECK:
+                        bad_key = bad_key | (n_ok & ~page_ok).to(tl.int32)
+                    n_ok = n_ok & page_ok
                 page = _pool_offset(page, OFFSETS_32)
                 in_page = offs_n % PAGE_SIZE
                 k_row = page * stride_kbt + in_page * stride_kbr
@@ -474,6 +542,8 @@ def _verify_kernel(
                 cap2, temperature, HAS_LOGIT_CAP, HAS_XAI_TEMP, DOT_PRECISION,
             )
         acc = acc * v_scale  # fp8 pools: dequantise V once, on the slice's output
+        if CHECK:
+            tl.store(Err, b * 16 + ERR_SLOT, mask=tl.max(bad_key, 0) != 0)
 
         # 2. The last slice's program also takes the draft block.
         if ATTEND_DRAFT:
@@ -501,6 +571,9 @@ def _verify_kernel(
                                + l.to(tl.int64)[:, None] * (offset + n_prefix + n_draft)
                                + offset + n_prefix + j[None, :])
                         in_mask = visible & (pos >= 0) & (pos < mask_len)
+                        if CHECK:
+                            outside = tl.max(tl.max((visible & ~in_mask).to(tl.int32), 1), 0)
+                            tl.store(Err, b * 16 + ERR_MASK, mask=outside != 0)
                         allowed = tl.load(Mask + pos, mask=in_mask, other=0)
                         visible = in_mask & (allowed != 0)
                     elif IS_CAUSAL:
@@ -532,6 +605,7 @@ def _verify_kernel(
             if MERGE == 1:  # LAST_PROGRAM
                 tl.debug_barrier()  # every thread's stores issued before the release below
                 done = tl.atomic_add(Counters + tile, 1, sem="acq_rel", scope="gpu")
+                tl.store(Err, b * 16 + ERR_COUNTERS, mask=(done < 0) | (done >= n_used))
                 if done == n_used - 1:
                     tl.atomic_xchg(Counters + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
                     # The whole tile as one block: rows x every value column.
@@ -549,13 +623,18 @@ def _verify_kernel(
         chunk = split - n_splits
         if (chunk >= 0) & (n_used > 1) & has_rows:
             # Every slice program took an earlier ticket, so it is running or done: this wait ends.
+            # It is bounded all the same: counters a launch does not own could hold anything.
             seen = tl.atomic_add(Counters + tile, 0, sem="acquire", scope="gpu")
-            while seen < n_used:
+            polls = 0
+            while (seen < n_used) & (polls < spin_limit):
                 seen = tl.atomic_add(Counters + tile, 0, sem="acquire", scope="gpu")
-            _merge_chunk(O, LSE_Out, Sinks, Part_O, Part_LSE, tile, chunk // DV_CHUNKS, chunk % DV_CHUNKS,
-                         m_block, head_tile, q_start, n_draft, n_used, n_splits, stride_ot, stride_oh,
-                         NUM_Q_HEADS, HEADS_PER_TILE, V_HEAD_DIM, BLOCK_M, MERGE_ROWS, MERGE_DV,
-                         HAS_SINKS, WRITE_LSE, MERGE_UNROLL)
+                polls += 1
+            tl.store(Err, b * 16 + ERR_MERGE_WAIT, mask=seen < n_used)
+            if seen >= n_used:
+                _merge_chunk(O, LSE_Out, Sinks, Part_O, Part_LSE, tile, chunk // DV_CHUNKS, chunk % DV_CHUNKS,
+                             m_block, head_tile, q_start, n_draft, n_used, n_splits, stride_ot, stride_oh,
+                             NUM_Q_HEADS, HEADS_PER_TILE, V_HEAD_DIM, BLOCK_M, MERGE_ROWS, MERGE_DV,
+                             HAS_SINKS, WRITE_LSE, MERGE_UNROLL)
             # The tile's last merge program zeroes its counter for the next launch.
             if tl.atomic_add(Counters + tile, 1, sem="relaxed", scope="gpu") == n_used + CHUNKS - 1:
                 tl.atomic_xchg(Counters + tile, 0, sem="relaxed", scope="gpu")

@@ -11,11 +11,12 @@ A :class:`Launcher` does that work once, on its first call, through the
 ordinary JIT path (which compiles if needed and returns the compiled kernel),
 and remembers it under what the kernel was specialised on: every tensor's
 dtype and 16-byte alignment, every integer's divisibility by 16 (and whether
-it is 1, and fits 32 bits). Later calls recompute only that key -- a tuple,
-no binding, no hashing of options -- and call the compiled kernel's launcher
-directly. Integer arguments that vary from call to call (lengths) are
-declared ``do_not_specialize`` in the kernel, so they never change the
-compiled code.
+it is 1, and its type: i32, i64 or u64), the type of every other argument.
+Later calls recompute only that key -- a tuple, no binding, no hashing of
+options -- and call the compiled kernel's launcher directly. Integer
+arguments that vary from call to call (lengths) are declared
+``do_not_specialize`` in the kernel, so they never change the compiled code
+(only their i32/i64 type, which the key keeps).
 
 A caller that knows more can pass its own ``key``: a plan whose integers and
 dtypes are fixed passes what it fixed (computed once) plus the one thing
@@ -27,49 +28,161 @@ driver whether the address is device memory (``cuPointerGetAttribute``), once
 per tensor and launch; the plan has the addresses already (it needed them
 for the alignment) and checks the devices itself. Launch hooks
 that are registered but empty (Triton >= 3.5 keeps them in a chain) are not
-called.
+called; registered hooks (profilers) are honoured.
 
-The fast path needs Triton >= 3.3 (the ``knobs`` module and its launch
-signature); launch hooks (profilers) are honoured. Under the interpreter or
-with an older Triton every call takes the ordinary JIT path.
+The fast path relies on Triton internals that change between releases, so it
+runs only on the releases it was checked against (:data:`TESTED_TRITON`) where
+those internals are present (checked once, at import); elsewhere, and under
+the interpreter, every call takes the public ``fn[grid](...)`` path.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple
+import re
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
+import triton
 
 from .checks import interpreting
 
-try:  # Triton >= 3.3
-    from triton import knobs as _knobs
-except ImportError:  # pragma: no cover - older Triton: always the JIT path
-    _knobs = None
+__all__ = ["Launcher", "fast_path_available", "fast_path_problem", "alignment_bits", "TESTED_TRITON"]
 
-__all__ = ["Launcher", "fast_path_available", "alignment_bits"]
+#: Triton releases ``[low, high)`` (major, minor) whose launch internals and
+#: specialisation rules the fast path was checked against (tests/test_launch_key.py).
+TESTED_TRITON = ((3, 3), (3, 10))
+
+_I32 = 2**31
+_U64 = 2**63
+
+
+def _triton_version(version: str) -> Optional[Tuple[int, int]]:
+    """``(major, minor)`` of a version string such as ``"3.6.0"`` or ``"3.7.0+git1a2b"``."""
+    m = re.match(r"\s*(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _launch_hooks():
+    """Where Triton keeps the launch hooks: ``triton.knobs.runtime`` (>= 3.4), ``CompiledKernel`` (3.3)."""
+    try:
+        from triton import knobs
+    except ImportError:
+        from triton.compiler import CompiledKernel
+
+        return CompiledKernel
+    return knobs.runtime
+
+
+def _check_fast_path(version: Optional[str] = None) -> Optional[str]:
+    """Why the fast path cannot be used with this Triton and PyTorch (``None``: it can).
+
+    It calls ``JITFunction.warmup``, ``CompiledKernel._init_handles`` and
+    ``launch_metadata``, the compiled kernel's ``function``, ``packed_metadata``
+    and positional ``run(gridX, gridY, gridZ, stream, function, metadata,
+    launch_metadata, enter_hook, exit_hook, *args)`` (:func:`_usable` checks
+    those on the first compiled kernel), the launch hooks, PyTorch's
+    ``_cuda_getCurrentRawStream``, and restates the JIT's specialisation
+    (:func:`_specialization`). ``version`` stands for ``triton.__version__``.
+    """
+    version = triton.__version__ if version is None else version
+    parsed = _triton_version(version)
+    low, high = TESTED_TRITON
+    if parsed is None or not low <= parsed < high:
+        return (f"triton {version} is outside the tested range "
+                f"{low[0]}.{low[1]} <= version < {high[0]}.{high[1]}")
+    if torch.version.hip is not None:
+        # Triton's AMD backend also specialises pointers on their buffer's size (buffer ops).
+        return "ROCm: the AMD backend specialises pointers on more than the key restates"
+    if not hasattr(torch._C, "_cuda_getCurrentRawStream"):
+        return "torch._C._cuda_getCurrentRawStream is missing (PyTorch without CUDA)"
+    try:
+        from triton.compiler import CompiledKernel
+        from triton.runtime.jit import JITFunction
+
+        hooks = _launch_hooks()
+    except ImportError as err:
+        return f"a Triton module the fast path uses is missing: {err}"
+    for owner, what, name in ((CompiledKernel, "triton.compiler.CompiledKernel", "_init_handles"),
+                              (CompiledKernel, "triton.compiler.CompiledKernel", "launch_metadata"),
+                              (JITFunction, "triton.runtime.jit.JITFunction", "warmup"),
+                              (hooks, "the launch hooks' home", "launch_enter_hook"),
+                              (hooks, "the launch hooks' home", "launch_exit_hook")):
+        if not hasattr(owner, name):
+            return f"{what}.{name} is missing"
+    return None
+
+
+#: Why the fast path is off (``None``: it is on, outside the interpreter); checked once, at import.
+_FAST_PATH_PROBLEM: Optional[str] = _check_fast_path()
+#: The launch hooks' home (``None`` where the fast path is off).
+_HOOKS = _launch_hooks() if _FAST_PATH_PROBLEM is None else None
+#: The run() signature each launcher class was checked for: True when it is the one the fast path calls.
+_LAUNCHER_OK: Dict[type, bool] = {}
+
+
+def fast_path_problem() -> Optional[str]:
+    """Why kernels take the public JIT path here, or ``None`` when they are launched directly."""
+    if interpreting():
+        return "the Triton interpreter (TRITON_INTERPRET=1)"
+    return _FAST_PATH_PROBLEM
 
 
 def fast_path_available() -> bool:
-    """True when compiled kernels are launched directly (GPU, Triton >= 3.3)."""
-    return _knobs is not None and not interpreting()
+    """True when compiled kernels are launched directly (CUDA, a tested Triton, outside the interpreter)."""
+    return _FAST_PATH_PROBLEM is None and not interpreting()
+
+
+def _run_signature_ok(run) -> bool:
+    """Whether ``run`` (a compiled kernel's launcher) takes ``(gridX, gridY, gridZ, stream, function,
+    ...)`` positionally: up to 3.6 the rest is ``*args``, from 3.7 named up to the hooks, then ``*args``."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(run).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    names = [p.name for p in params]
+    return (names[:5] == ["gridX", "gridY", "gridZ", "stream", "function"]
+            and params[-1].kind is inspect.Parameter.VAR_POSITIONAL
+            and names[5:-1] in ([], ["kernel_metadata", "launch_metadata", "launch_enter_hook", "launch_exit_hook"]))
+
+
+def _usable(kernel) -> bool:
+    """Whether a compiled (and loaded) kernel has what :meth:`Launcher._run` calls (once per launcher class
+    for the signature)."""
+    run = getattr(kernel, "run", None)
+    if run is None or not (hasattr(kernel, "function") and hasattr(kernel, "packed_metadata")):
+        return False
+    ok = _LAUNCHER_OK.get(type(run))
+    if ok is None:
+        ok = _LAUNCHER_OK[type(run)] = _run_signature_ok(run)
+    return ok
 
 
 def _specialization(args: Sequence) -> tuple:
     """What the JIT specialises a kernel on, per argument.
 
     Tensors: dtype and 16-byte alignment. Integers: whether they are 1 or a
-    multiple of 16, and whether they fit 32 bits (the JIT types them i32 or
-    i64). Other arguments (floats) do not change the compiled code.
+    multiple of 16, and their type (i32 when they fit 32 bits, u64 in [2**63, 2**64),
+    else i64). Bools, floats and ``None`` (each one type), other objects by
+    type and value. Equal keys mean equal specialisations (tests/test_launch_key.py
+    checks this against Triton's own rules); for ``do_not_specialize`` arguments
+    the key is finer than Triton's, which is safe.
     """
     key = []
     for a in args:
         if isinstance(a, torch.Tensor):
             key.append((a.dtype, a.data_ptr() & 15 == 0))
+        elif isinstance(a, bool):  # before int: bool is an int, and Triton types it u1 (3.3: i1)
+            key.append(bool)
         elif isinstance(a, int):
-            key.append((a & 15 == 0, a == 1, -(2**31) <= a < 2**31))
-        else:
+            key.append((a & 15 == 0, a == 1, -_I32 <= a < _I32, _U64 <= a < 2 * _U64))
+        elif isinstance(a, float):
+            key.append(float)
+        elif a is None:
             key.append(None)
+        else:
+            key.append((type(a), a))
     return tuple(key)
 
 
@@ -109,13 +222,16 @@ class Launcher:
     def compiled(self, args: Sequence, grid) -> object:
         """The compiled kernel for ``args`` (compiling it if needed), without launching.
 
-        GPU only: the interpreter compiles nothing.
+        GPU only: the interpreter compiles nothing. A compiled kernel that lacks
+        what the direct launch calls turns this launcher to the public path.
         """
         key = _specialization(args)
         kernel = self._compiled.get(key)
         if kernel is None:
             kernel = self.fn.warmup(*args, grid=grid, **self.constexprs, **self.options)
             kernel._init_handles()  # load the module: registers, launcher
+            if not _usable(kernel):
+                self._fast = False
             self._compiled[key] = kernel
         return kernel
 
@@ -125,22 +241,24 @@ class Launcher:
         return self._fast and self.compiled(args, grid).n_spills > 0
 
     def __call__(self, grid: Tuple[int, int, int], args: Sequence, stream=None, key=None) -> None:
-        """Launch on the current CUDA stream (or ``stream``, a raw handle).
+        """Launch on the current CUDA stream (or ``stream``, a raw handle; the public
+        path launches on the current stream).
 
         ``key``: optional, hashable, standing for :func:`_specialization` of
         ``args`` (the caller guarantees equal keys mean equal specialisations).
         """
-        if not self._fast:
-            self.fn[grid](*args, **self.constexprs, **self.options)
-            return
-        kernel = self._by_key.get(key) if key is not None else None
-        if kernel is None:
-            kernel = self._compiled.get(_specialization(args))
+        if self._fast:
+            kernel = self._by_key.get(key) if key is not None else None
             if kernel is None:
-                kernel = self.compiled(args, grid)
-            if key is not None:
-                self._by_key[key] = kernel
-        self._run(kernel, grid, args, stream)
+                kernel = self._compiled.get(_specialization(args))
+                if kernel is None:
+                    kernel = self.compiled(args, grid)
+                if self._fast and key is not None:
+                    self._by_key[key] = kernel
+            if self._fast:
+                self._run(kernel, grid, args, stream)
+                return
+        self.fn[grid](*args, **self.constexprs, **self.options)
 
     def ready(self, key) -> bool:
         """Whether :meth:`run_ptrs` launches for ``key`` (it was launched through :meth:`__call__`)."""
@@ -160,7 +278,7 @@ class Launcher:
     def _run(self, kernel, grid, args, stream) -> None:
         if stream is None:
             stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
-        enter, leave = _live_hook(_knobs.runtime.launch_enter_hook), _live_hook(_knobs.runtime.launch_exit_hook)
+        enter, leave = _live_hook(_HOOKS.launch_enter_hook), _live_hook(_HOOKS.launch_exit_hook)
         # Launch hooks (profilers) get the metadata the JIT path would give them.
         hooked = enter is not None or leave is not None
         meta = kernel.launch_metadata(grid, stream, *args, *self._tail) if hooked else None

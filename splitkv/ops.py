@@ -4,29 +4,27 @@
 and per-stream state; a ``torch.library`` custom op is opaque to it instead:
 the compiled graph calls the op, and a *fake* implementation tells the
 compiler the output shapes and dtypes without running anything. So a model's
-forward that calls these ops compiles with ``fullgraph=True`` (no graph
-break), and ``mode="reduce-overhead"`` captures the op's launch in a CUDA
-graph like any other kernel.
+forward compiles with ``fullgraph=True`` (no graph break), and
+``mode="reduce-overhead"`` captures the op's launches in a CUDA graph like any
+other kernel. :func:`splitkv.verify_attention` calls the op by itself while
+being compiled: a model calls the same function eager or compiled.
 
 * ``torch.ops.splitkv.verify_attention(q_extend, k_extend, v_extend, k_buffer,
-  v_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sinks,
-  is_causal, max_len_extend, sm_scale, k_scale, v_scale, split_tokens,
-  return_lse, kv_last_page_len, window_kv_offsets, logit_cap,
-  sliding_window_size, xai_temperature_len) -> (out, lse)``:
-  :func:`splitkv.verify_attention` without the value checks (a compiled graph
-  must not read the device); ``lse`` is ``[tokens, H_Q]`` float32 with
-  ``return_lse``, else an empty tensor. ``split_tokens = 0`` means adaptive
-  slices; ``kv_last_page_len`` makes the pools paged; the score features are
-  off at ``0`` / ``-1``.
+  v_buffer, qo_indptr, kv_indptr, kv_indices, *, max_len_extend, ...) -> (out,
+  lse)``: :func:`splitkv.verify_attention` with the same keywords (``check`` a
+  bool: a compiled graph runs the kernel's checks, whose faults are raised by
+  the next eager checked call or :func:`splitkv.check_device_errors`); ``lse``
+  is ``[tokens, H_Q]`` float32 with ``return_lse``, else an empty tensor.
 * ``torch.ops.splitkv.merge_states(v, s) -> (v_merged, s_merged)``:
   :func:`splitkv.merge_states`.
 
 Both are functional (they return new tensors and mutate nothing), which is
-what the compiler handles best. The op always merges in a second launch
-(``one_launch=False``): the one-launch merge keeps per-stream counters alive
-between calls, and ``torch.compile``'s CUDA-graph trees refuse memory that
-outlives a graph without being one of its outputs. The Python wrappers :func:`verify_attention_op`
-and :func:`merge_states_op` take the same arguments with defaults.
+what the compiler handles best. The op runs the one-launch design: its
+counters come from an arena made outside any CUDA-graph memory pool, and each
+captured launch gets counters of its own (see :func:`splitkv.runner.counters`).
+The Python wrappers :func:`verify_attention_op` and :func:`merge_states_op`
+take the same arguments; called eagerly they skip the dispatcher and run
+the implementation directly.
 
 Dynamic shapes: the fake implementation's output shapes depend only on
 ``q_extend`` and ``v_extend``, never on ``kv_indices``, so a growing prefix
@@ -50,8 +48,7 @@ __all__ = ["verify_attention_op", "merge_states_op"]
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("splitkv::verify_attention", mutates_args=())
-def _verify_attention(
+def _verify(
     q_extend: Tensor,
     k_extend: Tensor,
     v_extend: Tensor,
@@ -60,39 +57,49 @@ def _verify_attention(
     qo_indptr: Tensor,
     kv_indptr: Tensor,
     kv_indices: Tensor,
-    custom_mask: Optional[Tensor],
-    mask_indptr: Optional[Tensor],
-    sinks: Optional[Tensor],
-    is_causal: bool,
-    max_len_extend: int,
-    sm_scale: Optional[float],
-    k_scale: float,
-    v_scale: float,
-    split_tokens: int,
-    return_lse: bool,
-    kv_last_page_len: Optional[Tensor] = None,
+    # The optional tensors are positional in the schema (custom ops take no keyword-only tensors);
+    # every caller names them.
+    custom_mask: Optional[Tensor] = None,
+    mask_indptr: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
     window_kv_offsets: Optional[Tensor] = None,
+    kv_last_page_len: Optional[Tensor] = None,
+    *,
+    max_len_extend: int,
+    is_causal: bool = True,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sm_scale: Optional[float] = None,
     logit_cap: float = 0.0,
+    skip_prefix_custom_mask: bool = True,
     sliding_window_size: int = -1,
     xai_temperature_len: int = -1,
+    split_tokens: Optional[int] = None,
+    max_prefix_len: Optional[int] = None,
+    check: bool = True,
+    return_lse: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     result = verify_attention(
         q_extend, k_extend, v_extend, None, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
-        custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale, sm_scale=sm_scale,
-        sinks=sinks, split_tokens=split_tokens or None, check=False, return_lse=return_lse, one_launch=False,
-        kv_last_page_len=kv_last_page_len, window_kv_offsets=window_kv_offsets, logit_cap=logit_cap,
-        sliding_window_size=sliding_window_size, xai_temperature_len=xai_temperature_len,
+        max_len_extend=max_len_extend, custom_mask=custom_mask, mask_indptr=mask_indptr, is_causal=is_causal,
+        k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale, logit_cap=logit_cap,
+        skip_prefix_custom_mask=skip_prefix_custom_mask, sliding_window_size=sliding_window_size, sinks=sinks,
+        window_kv_offsets=window_kv_offsets, xai_temperature_len=xai_temperature_len,
+        kv_last_page_len=kv_last_page_len, split_tokens=split_tokens, max_prefix_len=max_prefix_len,
+        check=check, return_lse=return_lse,
     )
     if return_lse:
         return result
     return result, q_extend.new_empty((0,), dtype=torch.float32)
 
 
+_verify_attention = torch.library.custom_op("splitkv::verify_attention", _verify, mutates_args=())
+
+
 @_verify_attention.register_fake
-def _(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask,
-      mask_indptr, sinks, is_causal, max_len_extend, sm_scale, k_scale, v_scale, split_tokens, return_lse,
-      kv_last_page_len=None, window_kv_offsets=None, logit_cap=0.0, sliding_window_size=-1,
-      xai_temperature_len=-1):
+def _(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask=None,
+      mask_indptr=None, sinks=None, window_kv_offsets=None, kv_last_page_len=None, *, max_len_extend,
+      return_lse=False, **_):
     out = q_extend.new_empty((q_extend.shape[0], q_extend.shape[1], v_extend.shape[2]))
     lse_shape = (q_extend.shape[0], q_extend.shape[1]) if return_lse else (0,)
     return out, q_extend.new_empty(lse_shape, dtype=torch.float32)
@@ -109,25 +116,19 @@ def _(v, s):
             s.new_empty((s.shape[0], s.shape[2])))
 
 
-def verify_attention_op(
-    q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
-    custom_mask=None, mask_indptr=None, is_causal=True, max_len_extend=4, *,
-    sinks=None, sm_scale=None, k_scale=1.0, v_scale=1.0, split_tokens=None, return_lse=False,
-    kv_last_page_len=None, window_kv_offsets=None, logit_cap=0.0, sliding_window_size=-1, xai_temperature_len=-1,
-):
-    """``torch.ops.splitkv.verify_attention`` with defaults; returns ``out`` or ``(out, lse)``.
+def verify_attention_op(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, *,
+                        max_len_extend, return_lse=False, **options):
+    """``torch.ops.splitkv.verify_attention``; returns ``out``, or ``(out, lse)`` with ``return_lse``.
 
-    Takes :func:`splitkv.verify_attention`'s keywords, paged pools
-    (``kv_last_page_len``) and score features included.
+    Takes :func:`splitkv.verify_attention`'s keywords (``check`` a bool). Eager calls run the
+    implementation directly (the dispatcher costs tens of microseconds a call); compiled ones the op.
     """
-    out, lse = torch.ops.splitkv.verify_attention(
-        q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
-        custom_mask, mask_indptr, sinks, bool(is_causal), int(max_len_extend),
-        None if sm_scale is None else float(sm_scale), float(k_scale), float(v_scale),
-        int(split_tokens or 0), bool(return_lse), kv_last_page_len, window_kv_offsets, float(logit_cap or 0.0),
-        int(sliding_window_size if sliding_window_size is not None else -1),
-        int(xai_temperature_len if xai_temperature_len is not None else -1),
-    )
+    if not torch.compiler.is_compiling():
+        return verify_attention(q_extend, k_extend, v_extend, None, k_buffer, v_buffer, qo_indptr, kv_indptr,
+                                kv_indices, max_len_extend=max_len_extend, return_lse=return_lse, **options)
+    out, lse = torch.ops.splitkv.verify_attention(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr,
+                                                  kv_indptr, kv_indices, max_len_extend=max_len_extend,
+                                                  return_lse=return_lse, **options)
     return (out, lse) if return_lse else out
 
 

@@ -62,7 +62,8 @@ Entry points:
   plan time (runs allocate only what a :class:`~splitkv.VerifyPlan` run does:
   the output if none is given, the split-KV scratch) and are graph-capturable;
 * :func:`cp_verify_attention` -- one call (plans cached by signature), the
-  arguments of :func:`splitkv.verify_attention`;
+  arguments of :func:`splitkv.verify_attention` (the 9 tensors up to
+  ``kv_indices`` positional, everything after as keywords of the same names);
 * :func:`shard_prefix`, :func:`shard_mask`, :func:`shard_owner`,
   :func:`shard_last_page_len` -- sharding metadata for engines;
 * for tests and notebooks, :mod:`splitkv.testing.parallel`: shard a
@@ -79,8 +80,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .api import _checking
-from .checks import check_verify_inputs, check_verify_values
+from .checks import check_batch_invariant, check_output, check_verify_inputs, check_verify_values
 from .gate import decline_reason
 from .merge import merge_states
 from .paged import paged_prefix_lens, token_indices
@@ -386,6 +386,16 @@ def _round16(n: int) -> int:
     return -(-n // 16) * 16
 
 
+def _check_mode(check) -> None:
+    """``check`` is ``False``, ``True`` or ``"full"`` (as for :func:`splitkv.verify_attention`)."""
+    if check not in (False, True, "full"):
+        raise TypeError(f"check must be False, True or 'full', got {check!r}")
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class ContextParallelVerify:
     """Context-parallel split-KV verify attention for one head configuration.
 
@@ -411,7 +421,7 @@ class ContextParallelVerify:
     """
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
-                 max_len_extend: int, max_bs: int, device="cuda", *, group=None, draft_rank: int = 0,
+                 max_len_extend: int, max_bs: int, device=None, *, group=None, draft_rank: int = 0,
                  dst: DstType = None, partial_dtype: Optional[torch.dtype] = None, **runner_kwargs):
         self.group = group
         self.rank, self.world_size = _group_info(group)
@@ -436,13 +446,16 @@ class ContextParallelVerify:
     def plan(
         self,
         q_extend, k_extend, v_extend, k_buffer, v_buffer,
-        qo_indptr, kv_indptr, kv_indices,
-        custom_mask=None, mask_indptr=None, is_causal=True, *,
+        qo_indptr, kv_indptr, kv_indices, *,
+        custom_mask=None, mask_indptr=None, is_causal: bool = True,
         sm_scale: Optional[float] = None, k_scale: float = 1.0, v_scale: float = 1.0,
-        sinks=None, return_lse: bool = False, check: bool = False,
+        sinks=None, return_lse: bool = False, check=False,
         logit_cap: float = 0.0, kv_last_page_len=None,
     ) -> "ContextParallelPlan":
         """Plan one step on this rank (every rank of the group calls it).
+
+        Everything after ``kv_indices`` is a keyword, named as for
+        :meth:`splitkv.VerifySplitKV.plan`.
 
         Args:
             q_extend, k_extend, v_extend: the draft tensors, the same on every rank.
@@ -451,14 +464,21 @@ class ContextParallelVerify:
             kv_indptr, kv_indices: this rank's shard of the prefixes (local pool slots).
             custom_mask, mask_indptr: on ``draft_rank``, the tree mask laid out
                 for the *local* prefix lengths (:func:`shard_mask`); ignored elsewhere.
-            is_causal: draft-block visibility without a mask (``draft_rank``).
+            is_causal: draft-block visibility without a mask (``draft_rank``; a bool).
             sm_scale, k_scale, v_scale: as for :meth:`splitkv.VerifySplitKV.plan`.
             sinks: ``[H_Q]`` sink logits (may be given on every rank; applied on
                 ``draft_rank`` only).
-            return_lse: runs also return the merged natural-log LSE (sinks included).
-            check: validate metadata values and that every rank planned the same
-                draft shapes (reads the device and talks to the group: not under
-                graph capture).
+            return_lse: runs also write the merged natural-log LSE (sinks
+                included) into the ``lse`` a merging rank then passes to
+                :meth:`ContextParallelPlan.run`.
+            check: ``True``: the local kernel validates the metadata of every run
+                and :meth:`ContextParallelPlan.run` raises what it found
+                (:class:`splitkv.errors.VerifyError`); ``"full"``: that, and now, on
+                the host, the metadata values
+                (:func:`splitkv.checks.check_verify_values`) and that every rank
+                planned the same draft shapes (reads the device and talks to the
+                group: skipped under graph capture); ``False``: neither (every
+                rank must give the same value).
             logit_cap: if ``> 0``, scores ``s`` become ``cap * tanh(s / cap)`` (on
                 every rank: give the same value everywhere).
             kv_last_page_len: ``[bs]`` for a paged local pool (``k_buffer`` of
@@ -469,19 +489,24 @@ class ContextParallelVerify:
             The :class:`ContextParallelPlan`.
 
         Raises:
-            ValueError: on malformed input, or (checked) ranks that disagree.
+            ValueError: on malformed input, or (``check="full"``) ranks that disagree.
+            TypeError: for an ``is_causal`` or ``check`` of the wrong type.
             NotImplementedError: for calls the split path declines (bf16 under
                 the interpreter, more than 64 drafts per sequence, ...).
         """
+        if not isinstance(is_causal, bool):
+            raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+        _check_mode(check)
         draft = self.owns_draft
         if not draft:
             custom_mask = mask_indptr = sinks = None
         if kv_indices.numel() == 0:  # an empty shard: never hand the kernel a null pointer
             kv_indices = torch.zeros(1, dtype=kv_indices.dtype, device=kv_indices.device)
         reason = decline_reason(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
-                                custom_mask, is_causal, mask_indptr, self.runner.max_len_extend, sinks=sinks,
-                                logit_cap=logit_cap, k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale,
-                                max_bs=self.runner.max_bs, split_tokens=self.runner.split_tokens,
+                                max_len_extend=self.runner.max_len_extend, custom_mask=custom_mask,
+                                mask_indptr=mask_indptr, is_causal=is_causal, sinks=sinks, logit_cap=logit_cap,
+                                k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale, max_bs=self.runner.max_bs,
+                                split_tokens=self.runner.split_tokens, max_prefix_len=self.runner.max_prefix_len,
                                 kv_last_page_len=kv_last_page_len)
         if reason is not None:
             if reason.startswith("malformed input"):
@@ -489,17 +514,18 @@ class ContextParallelVerify:
             raise NotImplementedError(f"the split path declines this call: {reason}")
         local = self.runner.plan(
             q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
-            custom_mask, mask_indptr, is_causal, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-            sinks=sinks, return_lse=True, attend_draft=draft, check=check, logit_cap=logit_cap,
-            kv_last_page_len=kv_last_page_len,
+            custom_mask=custom_mask, mask_indptr=mask_indptr, is_causal=is_causal, sm_scale=sm_scale,
+            k_scale=k_scale, v_scale=v_scale, sinks=sinks, return_lse=True, attend_draft=draft, check=check,
+            logit_cap=logit_cap, kv_last_page_len=kv_last_page_len,
         )
         return ContextParallelPlan(self, local, return_lse=return_lse, check=check)
 
     def __call__(self, q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr,
-                 kv_indices, custom_mask=None, mask_indptr=None, is_causal=True, **kwargs):
-        """Plan and run in one go; returns what :meth:`ContextParallelPlan.run` does."""
+                 kv_indices, **options):
+        """Plan and run in one go; returns what :meth:`ContextParallelPlan.run` does (``o_extend`` on
+        merging ranks, ``None`` elsewhere). ``options``: :meth:`plan`'s keywords (without ``return_lse``)."""
         plan = self.plan(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
-                         custom_mask, mask_indptr, is_causal, **kwargs)
+                         **options)
         return plan.run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out=o_extend)
 
 
@@ -527,7 +553,7 @@ class ContextParallelPlan:
         comm_bytes: bytes this rank contributes to the all-gather.
     """
 
-    def __init__(self, cp: ContextParallelVerify, local: VerifyPlan, *, return_lse: bool, check: bool):
+    def __init__(self, cp: ContextParallelVerify, local: VerifyPlan, *, return_lse: bool, check=False):
         self.cp = cp
         self.local = local
         self.group = cp.group
@@ -546,7 +572,7 @@ class ContextParallelPlan:
         self.comm_bytes = self._o_bytes + lse_bytes
         w = self.world_size
         if w > 1:
-            if check:
+            if check == "full" and not _capturing():
                 self._check_ranks_agree()
             self.send = torch.empty(self.comm_bytes, dtype=torch.uint8, device=self.device)
             self.recv = torch.empty(w * self.comm_bytes, dtype=torch.uint8, device=self.device)
@@ -585,7 +611,8 @@ class ContextParallelPlan:
             custom_mask = mask_indptr = sinks = None
         if kv_indices.numel() == 0:
             kv_indices = torch.zeros(1, dtype=kv_indices.dtype, device=kv_indices.device)
-        self.local.rebind(qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sinks, kv_last_page_len)
+        self.local.rebind(qo_indptr, kv_indptr, kv_indices, custom_mask=custom_mask, mask_indptr=mask_indptr,
+                          sinks=sinks, kv_last_page_len=kv_last_page_len)
 
     # The three stages, separately (the benchmark times them one by one).
 
@@ -603,33 +630,49 @@ class ContextParallelPlan:
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         return merge_states(self.recv_o, self.recv_lse, out=out, out_lse=self._lse_scratch if lse is None else lse)
 
-    def run(self, q_extend, k_extend, v_extend, k_buffer, v_buffer, out=None, lse=None):
+    def run(self, q_extend, k_extend, v_extend, k_buffer, v_buffer, *, out=None, lse=None):
         """Run the step for one layer's tensors (same shapes, dtypes and strides as planned).
 
-        Every rank of the group must call it (it holds a collective).
+        Every rank of the group must call it (it holds a collective). As
+        :meth:`splitkv.VerifyPlan.run`: ``out`` is returned, and a plan made
+        with ``return_lse`` writes the merged LSE into the ``lse`` the caller
+        passes.
 
         Args:
             q_extend, k_extend, v_extend: the layer's draft tensors.
             k_buffer, v_buffer: the layer's local pool.
-            out: ``[tokens, H_Q, Dv]`` output on merging ranks (default: new).
-            lse: ``[tokens, H_Q]`` float32 for the merged LSE (default: new, with ``return_lse``).
+            out: ``[tokens, H_Q, Dv]`` output on merging ranks, unit stride in
+                its last dimension (default: new).
+            lse: ``[tokens, H_Q]`` contiguous float32 for the merged
+                natural-log LSE; required on merging ranks by a plan made with
+                ``return_lse``, refused by others. Ranks that do not merge use
+                neither ``out`` nor ``lse``.
 
         Returns:
-            On merging ranks ``out``, or ``(out, lse)`` with ``return_lse``; ``None`` elsewhere.
+            On merging ranks ``out``; ``None`` elsewhere.
+
+        Raises:
+            ValueError: for a tensor of another device, dtype, shape or strides
+                than planned, a malformed ``out`` or ``lse`` (on a merging rank,
+                after the all-gather: no rank is left waiting in it); with a
+                checked plan, :class:`splitkv.errors.VerifyError` for a fault the
+                local kernel found.
         """
         if self.world_size > 1:
             self.run_local(q_extend, k_extend, v_extend, k_buffer, v_buffer)
             self.exchange()
             if not self.merges:
                 return None
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        check_output(out, lse, self.out_shape, self.return_lse)
         if lse is None:
-            lse = (torch.empty(self.out_shape[:2], dtype=torch.float32, device=self.device) if self.return_lse
-                   else self._lse_scratch)
+            lse = self._lse_scratch  # the merged LSE always has somewhere to go
         if self.world_size == 1:  # nothing to exchange: the local call is the whole step
-            out, lse = self.local.run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out=out, lse=lse)
+            self.local.run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out=out, lse=lse)
         else:
-            out, lse = self.merge(out, lse)
-        return (out, lse) if self.return_lse else out
+            self.merge(out, lse)
+        return out
 
 
 # ---- One call ------------------------------------------------------------------------------------
@@ -647,80 +690,118 @@ def clear_cp_caches() -> None:
 
 def cp_verify_attention(
     q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
-    qo_indptr, kv_indptr, kv_indices, custom_mask, is_causal, mask_indptr, max_len_extend,
-    k_scale=1.0, v_scale=1.0, sm_scale=None, sinks=None, *,
-    group=None, draft_rank: int = 0, dst: DstType = None, return_lse: bool = False,
-    max_bs: Optional[int] = None, split_tokens: Optional[int] = None, check: Optional[bool] = None,
-    logit_cap: float = 0.0, kv_last_page_len=None,
+    qo_indptr, kv_indptr, kv_indices, *,
+    max_len_extend,
+    custom_mask=None,
+    mask_indptr=None,
+    is_causal=True,
+    k_scale=1.0,
+    v_scale=1.0,
+    sm_scale=None,
+    logit_cap=0.0,
+    sinks=None,
+    kv_last_page_len=None,
+    max_bs: Optional[int] = None,
+    split_tokens: Optional[int] = None,
+    max_prefix_len: Optional[int] = None,
+    check=True,
+    return_lse: bool = False,
+    group=None,
+    draft_rank: int = 0,
+    dst: DstType = None,
 ):
     """Context-parallel verify attention in one call (every rank of ``group`` calls it).
 
-    The arguments of :func:`splitkv.verify_attention`, with this rank's prefix
-    shard in ``k_buffer``/``v_buffer``/``kv_indptr``/``kv_indices`` (and, on
-    ``draft_rank``, the mask laid out for it: :func:`shard_mask`). Plans are
-    cached by signature (shapes, strides, dtypes, scalars; not ``kv_indices``'
-    length), so a repeated call only rebinds metadata, runs the kernel, the
-    all-gather and the merge: graph-capturable once a call of the signature has
-    run eagerly.
+    The arguments of :func:`splitkv.verify_attention` (the tensors up to
+    ``kv_indices`` positional, ``o_extend`` may be ``None``; everything after
+    is a keyword of the same name), with this rank's prefix shard in
+    ``k_buffer``/``v_buffer``/``kv_indptr``/``kv_indices`` (and, on
+    ``draft_rank``, the mask laid out for it: :func:`shard_mask`). Of the score
+    features only ``logit_cap`` (see the module docstring). Plans are cached by
+    signature (shapes, strides, dtypes, scalars; not ``kv_indices``' length),
+    so a repeated call only rebinds metadata, runs the kernel, the all-gather
+    and the merge: graph-capturable once a call of the signature has run
+    eagerly.
 
     Args:
+        max_len_extend: most draft tokens of any sequence (required).
         group, draft_rank, dst: see :class:`ContextParallelVerify`.
         return_lse: also return the merged natural-log LSE.
         max_bs: largest batch of this shape (default: this batch).
-        split_tokens: fixed slice length (batch-invariant mode), see
-            :class:`splitkv.VerifySplitKV`.
-        check: validate metadata values (default ``SPLITKV_CHECK``; skipped
-            under graph capture).
+        split_tokens, max_prefix_len: the batch-invariant mode (fixed slices),
+            see :class:`splitkv.VerifySplitKV`; ``max_prefix_len`` bounds this
+            rank's local prefixes.
+        check: ``True`` (default): the local kernel validates the metadata
+            (:class:`splitkv.errors.VerifyError` at this call or the next);
+            ``"full"``: also the synchronous host checks of
+            :meth:`ContextParallelVerify.plan` on every call (skipped under
+            graph capture); ``False``: none. Give every rank the same value.
         logit_cap: as for :meth:`ContextParallelVerify.plan`.
         kv_last_page_len: this rank's last-page lengths, for a paged local pool
             (:func:`shard_last_page_len`).
 
     Returns:
-        On merging ranks ``o_extend`` (new if ``None``) or ``(o, lse)``; ``None`` elsewhere.
+        On merging ranks ``o_extend`` (new if ``None``), or ``(o, lse)`` with
+        ``return_lse``; ``None`` elsewhere.
+
+    Raises:
+        ValueError: on malformed input (and what :meth:`ContextParallelVerify.plan`
+            and :meth:`ContextParallelPlan.run` raise).
+        TypeError: for a ``check`` or ``is_causal`` of the wrong type.
+        NotImplementedError: for calls the split path declines.
     """
+    _check_mode(check)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    check_batch_invariant(split_tokens, max_prefix_len)
     rank, world = _group_info(group)
     dims = check_verify_inputs(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr,
                                kv_indices, custom_mask if rank == draft_rank else None,
                                mask_indptr if rank == draft_rank else None, max_len_extend, sinks,
                                kv_last_page_len=kv_last_page_len)
-    check = _checking(check)
     bs = dims.batch_size
     max_bs = max(max_bs or 1, bs)
     rkey = (id(group), rank, world, str(q_extend.device), dims.num_q_heads, dims.num_kv_heads, dims.head_dim,
-            dims.v_head_dim, int(max_len_extend), split_tokens, draft_rank,
+            dims.v_head_dim, int(max_len_extend), split_tokens, max_prefix_len, draft_rank,
             None if dst is None else (dst if isinstance(dst, int) else tuple(dst)))
     cp = _CP_RUNNERS.get(rkey)
     if cp is None:
         cp = _CP_RUNNERS[rkey] = ContextParallelVerify(
             dims.num_q_heads, dims.num_kv_heads, dims.head_dim, dims.v_head_dim, int(max_len_extend), max_bs,
-            q_extend.device, group=group, draft_rank=draft_rank, dst=dst, split_tokens=split_tokens)
+            q_extend.device, group=group, draft_rank=draft_rank, dst=dst, split_tokens=split_tokens,
+            max_prefix_len=max_prefix_len)
     cp.runner.max_bs = max(cp.runner.max_bs, max_bs)
     use_mask = custom_mask is not None and rank == draft_rank
     t = (q_extend, k_extend, v_extend, k_buffer, v_buffer)
     key = (rkey, tuple(x.shape for x in t), tuple(x.stride() for x in t), tuple(x.dtype for x in t),
            qo_indptr.shape, qo_indptr.dtype, kv_indptr.dtype, kv_indices.dtype, use_mask,
            None if not use_mask else (custom_mask.dtype, mask_indptr.dtype),
-           None if sinks is None else (sinks.dtype,), bool(is_causal), float(k_scale), float(v_scale),
+           None if sinks is None else (sinks.dtype,), is_causal, float(k_scale), float(v_scale),
            sm_scale, return_lse, float(logit_cap),
-           None if kv_last_page_len is None else (kv_last_page_len.shape, kv_last_page_len.dtype))
+           None if kv_last_page_len is None else (kv_last_page_len.shape, kv_last_page_len.dtype), check)
     plan = _CP_PLANS.get(key)
     if plan is not None:
         _CP_PLANS.move_to_end(key)
         plan.rebind(qo_indptr, kv_indptr, kv_indices, custom_mask if use_mask else None,
                     mask_indptr if use_mask else None, sinks, kv_last_page_len)
-        if check:
+        if check == "full" and not _capturing():
             check_verify_values(qo_indptr, kv_indptr, kv_indices, k_buffer.shape[0], int(max_len_extend),
                                 custom_mask if use_mask else None, mask_indptr if use_mask else None,
                                 num_tokens=dims.num_tokens, kv_last_page_len=kv_last_page_len,
                                 page_size=dims.page_size)
     else:
         plan = cp.plan(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
-                       custom_mask, mask_indptr, is_causal, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-                       sinks=sinks, return_lse=return_lse, check=check, logit_cap=logit_cap,
-                       kv_last_page_len=kv_last_page_len)
+                       custom_mask=custom_mask, mask_indptr=mask_indptr, is_causal=is_causal, sm_scale=sm_scale,
+                       k_scale=k_scale, v_scale=v_scale, sinks=sinks, return_lse=return_lse, check=check,
+                       logit_cap=logit_cap, kv_last_page_len=kv_last_page_len)
         _CP_PLANS[key] = plan
         if len(_CP_PLANS) > CP_PLAN_CACHE_SIZE:
             _CP_PLANS.popitem(last=False)
-    if o_extend is None and plan.merges:
+    if not plan.merges:
+        plan.run(q_extend, k_extend, v_extend, k_buffer, v_buffer)
+        return None
+    if o_extend is None:
         o_extend = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
-    return plan.run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out=o_extend)
+    lse = torch.empty(plan.out_shape[:2], dtype=torch.float32, device=plan.device) if return_lse else None
+    out = plan.run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out=o_extend, lse=lse)
+    return (out, lse) if return_lse else out

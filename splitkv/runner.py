@@ -23,30 +23,37 @@ says which a launch uses). Two ways to provide them:
   to the graph's private pool and keeps its address for every replay; on two
   streams at once each call gets its own; and it returns to the cache when
   the call is over, so memory never grows with streams or batch sizes. The
-  counters must start at zero and be kept between calls: each stream gets a
-  slice (4 bytes per tile) of a per-device arena zeroed before any capture
-  (:func:`counters`), and every launch leaves them zeroed. The merge in a
-  second launch (``SEPARATE_MERGE``) needs no counters.
+  counters must start at zero and be kept between calls: eager launches on
+  a stream share a slice (4 bytes per tile) of a per-device arena, each
+  captured launch gets a slice of its own (:func:`counters`), and every
+  launch leaves its counters zeroed. The merge in a second launch
+  (``SEPARATE_MERGE``) needs no counters.
 * a caller-owned ``workspace`` (see :func:`workspace_bytes`), for engines
   that allocate everything up front: counters and partials are carved from
-  it, nothing is allocated per call. The caller allocates it zeroed
-  (``torch.zeros``) and must not run one runner's workspace on two streams at
-  once.
+  it, nothing is allocated per call. The runner zeroes the counters when it
+  binds the workspace (it may hold anything); one runner's workspace must
+  not be used on two streams at once (the kernel reports counters it finds
+  corrupted, :mod:`splitkv.errors`).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from typing import Dict, Optional, Tuple
 
 import torch
 
-from .checks import check_features, check_verify_inputs, check_verify_values, interpreting
+from .checks import (check_batch_invariant, check_features, check_output, check_verify_inputs, check_verify_values,
+                     interpreting)
 from .kernel import (LAST_PROGRAM, LOG2E, MERGE_PROGRAMS, SEPARATE_MERGE, TileConfig, _merge_kernel, _verify_kernel,
                      block_m_for, rows_per_tile, tile_config)
 from .launch import Launcher, _specialization, alignment_bits
+from .resources import device_shared_memory, fit_tile, shared_memory_reason
 from .occupancy import head_tiles as count_head_tiles
-from .splits import MAX_GRID_SPLITS, MAX_SPLITS, choose_n_splits, device_sm_count, fixed_n_splits, one_wave_n_splits
+from .errors import error_word, raise_pending
+from .splits import (MAX_GRID_SPLITS, MAX_SPLITS, LaunchLimitError, choose_n_splits, device_sm_count, fixed_n_splits,
+                     launch_limit_reason, one_wave_n_splits)
 from .tuning import min_split_tokens, programs_per_sm, small_batch_tile
 
 __all__ = ["VerifySplitKV", "VerifyPlan", "workspace_bytes", "counters"]
@@ -92,6 +99,9 @@ GRID_MERGE_DV = 64
 GRID_MERGE_FEW = 8
 #: Counters past a launch's tiles that the merge programs' launch uses: the ticket and the exit count.
 GRID_COUNTERS = 2
+#: Polls a merge program makes of its tile's counter before it gives up and reports
+#: ``ERR_MERGE_WAIT`` (seconds of polling; a healthy wait ends within a slice's time).
+SPIN_LIMIT = 1 << 24
 #: Pools whose every element offset is below this gather in 32-bit address
 #: arithmetic (the kernel's ``OFFSETS_32``), larger ones in 64-bit. Measured on
 #: the H200 (bf16, batch 8 / 64k, CUDA-graph replays, 2026-12-01): Qwen3-Next
@@ -110,15 +120,17 @@ def pool_offsets_32(buf: torch.Tensor) -> bool:
 
 def _stream_key(device: torch.device) -> Tuple[int, int]:
     if device.type != "cuda":
-        return (-1, 0)
+        return (-1, threading.get_ident())  # the interpreter runs a launch on the calling thread
     index = device.index if device.index is not None else torch.cuda.current_device()
     return (index, torch._C._cuda_getCurrentRawStream(index))
 
 
 #: Per device: ``[zeroed int32 arena, next free entry]``; per-stream counters are cut from it.
 _ARENAS: Dict[int, list] = {}
-#: Counters per arena (4 MB): room for many streams' arrays before another is needed.
+#: Counters per arena (4 MB): room for many streams' arrays and captured launches.
 ARENA_COUNTERS = 1 << 20
+#: Guards the arenas and the per-stream table when they change (never on a call's fast path).
+_LOCK = threading.Lock()
 
 
 # The caching allocator's raw blocks (CUDA builds of PyTorch): an address, no tensor. A
@@ -136,41 +148,63 @@ def _capturing(device: torch.device) -> bool:
 
 def counters(device: torch.device, tiles: int, stream_key: Optional[Tuple[int, int]] = None
              ) -> Optional[torch.Tensor]:
-    """The zeroed tile counters of ``device``'s current stream (at least ``tiles``), or ``None``.
+    """Zeroed tile counters (at least ``tiles``) for a launch on ``device``'s current stream, or ``None``.
 
-    Each stream gets its own array, a slice of a per-device arena that was
-    zeroed (and synchronised) when it was allocated; the kernel leaves every
-    counter it uses at zero again, so an array stays zeroed between launches.
-    A stream first seen *inside* a CUDA-graph capture takes a fresh slice of
-    the existing arena: nothing is allocated or zeroed then (a zeroing
-    recorded into the graph would not have run before the graph's first
-    kernel). Only when no arena has room while capturing does this return
-    ``None``, and the plan merges in a second launch instead, which needs no
-    counters. Arrays and arenas are never freed (a captured graph may still
-    use them; a few KB per stream). ``stream_key``: ``(device index, raw
-    stream)``, when the caller has it already.
+    Eager launches on one stream run one after another, so they share that
+    stream's array: a slice of a per-device arena, zeroed when it was made;
+    the kernel leaves every counter it uses at zero again. A launch captured
+    into a CUDA graph gets a slice of its own, shared with nothing, so the
+    graph may be replayed on any stream alongside anything else. Capture
+    allocates nothing (a zeroing recorded into the graph would run at replay,
+    after the arena was in use): when no arena has room this returns ``None``
+    and the plan merges in a second launch, which needs no counters. Arrays
+    and arenas are never freed (a captured graph may still use them).
+    ``stream_key``: ``(device index, raw stream)``, when the caller has it.
     """
+    if _capturing(device):
+        with _LOCK:
+            return _arena_slice(device, tiles, allocate=False)
     key = stream_key or _stream_key(device)
     arr = _COUNTERS.get(key)
     if arr is not None and arr.numel() >= tiles:
         return arr
-    size = max(_MIN_COUNTERS, 1 << (tiles - 1).bit_length())
-    arena = _ARENAS.get(key[0])
+    with _LOCK:
+        if arr is not None:
+            _OUTGROWN.append(arr)
+        arr = _COUNTERS[key] = _arena_slice(device, max(_MIN_COUNTERS, 1 << (tiles - 1).bit_length()))
+    return arr
+
+
+def _arena_slice(device: torch.device, size: int, allocate: bool = True) -> Optional[torch.Tensor]:
+    """``size`` unused zeroed counters of ``device``'s arena (a new arena if it is full and ``allocate``)."""
+    index = device.index if device.type == "cuda" and device.index is not None else (
+        torch.cuda.current_device() if device.type == "cuda" else -1)
+    arena = _ARENAS.get(index)
     if arena is None or arena[1] + size > arena[0].numel():
-        if _capturing(device):
+        if not allocate:
             return None
         if arena is not None:
             _OUTGROWN.append(arena[0])
-        arena = [torch.zeros(max(ARENA_COUNTERS, size), dtype=torch.int32, device=device), 0]
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # zeroed before any stream uses a slice of it
-        _ARENAS[key[0]] = arena
-    if arr is not None:
-        _OUTGROWN.append(arr)
+        arena = _ARENAS[index] = [_zeroed_arena(device, max(ARENA_COUNTERS, size)), 0]
     arr = arena[0][arena[1]: arena[1] + size]
     arena[1] += size
-    _COUNTERS[key] = arr
     return arr
+
+
+def _zeroed_arena(device: torch.device, size: int) -> torch.Tensor:
+    """A zeroed int32 array outside any CUDA-graph memory pool, zeroed before it is returned.
+
+    Made on a side stream: a graph pool that a caller routes the current
+    stream's allocations to (``torch.compile``'s CUDA-graph trees do while
+    warming up) does not take it.
+    """
+    if device.type != "cuda":
+        return torch.zeros(size, dtype=torch.int32, device=device)
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        arena = torch.zeros(size, dtype=torch.int32, device=device)
+    side.synchronize()
+    return arena
 
 
 _OUTGROWN: list = []
@@ -203,7 +237,7 @@ def workspace_bytes(
         max_len_extend: most draft tokens per sequence.
         max_bs: most sequences per call.
         max_splits: most prefix slices per call (64 in the adaptive mode; in
-            the fixed-slice mode ``cdiv(longest kv_indices, split_tokens)``).
+            the batch-invariant mode ``cdiv(max_prefix_len, split_tokens)``).
         pack_gqa: as for :class:`VerifySplitKV`.
         block_m: the tile's rows if a custom :class:`~splitkv.kernel.TileConfig` is used.
 
@@ -240,16 +274,20 @@ class VerifySplitKV:
         config: kernel tile shape (default: :func:`splitkv.kernel.tile_config`).
         n_splits: a fixed grid of prefix slices for every call (default: the
             adaptive chooser, :func:`splitkv.choose_n_splits`).
-        split_tokens: a fixed slice length in tokens (batch-invariant mode: a
-            sequence's output is then bitwise the same in any batch).
+        split_tokens: a fixed slice length in tokens, a multiple of 128
+            (batch-invariant mode: a sequence's output is then bitwise the same
+            in any batch). Needs ``max_prefix_len``.
+        max_prefix_len: with ``split_tokens``, the most keys of any
+            sequence's prefix: the grid has ``cdiv(max_prefix_len,
+            split_tokens)`` slices, and the scratch is sized for them
+            (:func:`workspace_bytes`), whatever the batch's total. A longer
+            prefix is still exact, but not batch-invariant (the checked mode
+            reports it).
         workspace: caller-owned zeroed bytes of at least :func:`workspace_bytes`
             (default: per-call allocation, see the module docstring).
         one_launch: merge in the verify launch (default): by the tile's last
             program, or by merge programs in the same grid (:func:`merge_mode`).
-            ``False`` always merges in a second launch, which needs no
-            counters: the custom op uses it, since ``torch.compile``'s
-            CUDA-graph trees allow no memory that outlives a graph except its
-            outputs.
+            ``False`` always merges in a second launch, which needs no counters.
 
     Calling the runner plans and runs in one go; see :meth:`plan` to reuse a plan.
     """
@@ -262,13 +300,14 @@ class VerifySplitKV:
         v_head_dim: int,
         max_len_extend: int,
         max_bs: int,
-        device="cuda",
+        device=None,
         *,
         num_sms: Optional[int] = None,
         pack_gqa: bool = True,
         config: Optional[TileConfig] = None,
         n_splits: Optional[int] = None,
         split_tokens: Optional[int] = None,
+        max_prefix_len: Optional[int] = None,
         workspace: Optional[torch.Tensor] = None,
         one_launch: bool = True,
     ):
@@ -280,9 +319,12 @@ class VerifySplitKV:
             raise ValueError(f"n_splits must be in [1, {MAX_GRID_SPLITS}], got {n_splits}")
         if n_splits is not None and split_tokens is not None:
             raise ValueError("give n_splits or split_tokens, not both")
+        check_batch_invariant(split_tokens, max_prefix_len)
         self.num_q_heads, self.num_kv_heads = num_q_heads, num_kv_heads
         self.head_dim, self.v_head_dim = head_dim, v_head_dim
         self.max_len_extend, self.max_bs = max_len_extend, max_bs
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.num_sms = num_sms if num_sms is not None else device_sm_count(self.device)
         self.pack_gqa = pack_gqa
@@ -293,10 +335,11 @@ class VerifySplitKV:
         self.head_tiles = count_head_tiles(num_q_heads, num_kv_heads, max_len_extend, self.block_m, pack_gqa)
         self.m_blocks = self.head_tiles // (num_q_heads // self.heads_per_tile)
         self.fixed_n_splits = n_splits
-        if split_tokens is not None:
-            self.split_tokens = self._block_multiple(split_tokens, "split_tokens")
-        else:
-            self.split_tokens = None
+        self.split_tokens = split_tokens
+        #: batch-invariant mode: the most keys any sequence's prefix holds (the grid's slices cover it)
+        self.max_prefix_len = max_prefix_len
+        #: where the kernel reports faults (:mod:`splitkv.errors`)
+        self.error_word = error_word(self.device)
         self.workspace = workspace
         self.one_launch = one_launch
         if workspace is not None:
@@ -310,22 +353,15 @@ class VerifySplitKV:
             self._ws_counters = raw[: (tiles + GRID_COUNTERS) * 4].view(torch.int32)
             end = counter_bytes + (raw.numel() - counter_bytes) // 4 * 4
             self._ws_parts = raw[counter_bytes:end].view(torch.float32)  # all the rest: plans check their fit
+            # A caller's bytes may hold anything: the one-launch merges need their counters at zero.
+            self._ws_counters.zero_()
         self._launchers: Dict[tuple, Launcher] = {}
-
-    def _block_multiple(self, tokens: int, name: str) -> int:
-        if tokens < 1:
-            raise ValueError(f"{name} must be positive, got {tokens}")
-        # Slices are whole key tiles; the largest BLOCK_N of any config is 128.
-        if tokens % 128:
-            raise ValueError(f"{name} must be a multiple of 128, got {tokens}")
-        return tokens
 
     def _max_splits(self) -> int:
         if self.fixed_n_splits is not None:
             return self.fixed_n_splits
         if self.split_tokens is not None:
-            return 1  # fixed slices: size the workspace with max_splits = cdiv(longest kv_indices, split_tokens);
-            # each plan checks that its slices fit
+            return fixed_n_splits(self.max_prefix_len, self.split_tokens)
         return MAX_SPLITS
 
     def _small_batch(self, batch_size: Optional[int], kv_dtype: torch.dtype, prefix_len: int):
@@ -337,16 +373,34 @@ class VerifySplitKV:
                                 batch_size * self.head_tiles, self.num_sms, prefix_len)
 
     def config(self, kv_dtype: torch.dtype, batch_size: Optional[int] = None, prefix_len: int = 0,
-               page_size: int = 1) -> TileConfig:
+               page_size: int = 1, q_dtype: Optional[torch.dtype] = None) -> TileConfig:
         """The tile shape for a pool of ``kv_dtype`` in pages of ``page_size`` keys (1: a token pool),
-        and a batch of ``batch_size`` sequences of about ``prefix_len`` keys, if given."""
+        queries of ``q_dtype`` (default: bf16 for fp8 pools, else the pool's), and a batch of
+        ``batch_size`` sequences of about ``prefix_len`` keys, if given.
+
+        The tuned tile, shrunk where it would not fit the device's shared memory
+        (:func:`splitkv.resources.fit_tile`: wide heads the table has no entry for).
+
+        Raises:
+            ValueError: when no tile fits (the gate declines such calls first).
+        """
         if self._config is not None:
             return self._config
         small = self._small_batch(batch_size, kv_dtype, prefix_len)
         if small is not None:
-            return TileConfig(self.block_m, *small)
-        return tile_config(self.head_dim, self.v_head_dim, rows_per_tile(self.heads_per_tile, self.max_len_extend),
-                           interpreting(), kv_bytes=_element_size(kv_dtype), page_size=page_size)
+            cfg = TileConfig(self.block_m, *small)
+        else:
+            cfg = tile_config(self.head_dim, self.v_head_dim, rows_per_tile(self.heads_per_tile, self.max_len_extend),
+                              interpreting(), kv_bytes=_element_size(kv_dtype), page_size=page_size)
+        if q_dtype is None:
+            q_dtype = torch.bfloat16 if _element_size(kv_dtype) == 1 else kv_dtype
+        limit = device_shared_memory(self.device)
+        fitted = fit_tile(cfg, self.head_dim, self.v_head_dim, kv_dtype, q_dtype, limit, page_size,
+                          self.max_len_extend)
+        if fitted is None:
+            raise ValueError(shared_memory_reason(cfg, self.head_dim, self.v_head_dim, kv_dtype, q_dtype, limit,
+                                                  page_size, self.max_len_extend))
+        return fitted
 
     def n_splits(self, batch_size: int, prefix_len: int, kv_dtype: torch.dtype = torch.bfloat16,
                  small: Optional[bool] = None, page_size: int = 1) -> int:
@@ -363,14 +417,14 @@ class VerifySplitKV:
                 tile may hold a different number of programs per SM.
 
         Returns:
-            The fixed count if one was given; in fixed-slice mode
-            ``cdiv(batch_size x prefix_len, split_tokens)``; else
+            The fixed count if one was given; in the batch-invariant mode
+            ``cdiv(max_prefix_len, split_tokens)``; else
             :func:`splitkv.choose_n_splits`'s.
         """
         if self.fixed_n_splits is not None:
             return self.fixed_n_splits
         if self.split_tokens is not None:
-            return fixed_n_splits(batch_size * prefix_len, self.split_tokens)
+            return self._max_splits()
         if small is None:
             small = self._small_batch(batch_size, kv_dtype, prefix_len) is not None
         if small:
@@ -386,10 +440,10 @@ class VerifySplitKV:
     def plan(
         self,
         q_extend, k_extend, v_extend, k_buffer, v_buffer,
-        qo_indptr, kv_indptr, kv_indices,
-        custom_mask=None, mask_indptr=None, is_causal=True, *,
+        qo_indptr, kv_indptr, kv_indices, *,
+        custom_mask=None, mask_indptr=None, is_causal: bool = True,
         sm_scale: Optional[float] = None, k_scale: float = 1.0, v_scale: float = 1.0,
-        sinks=None, return_lse: bool = False, attend_draft: bool = True, check: bool = False,
+        sinks=None, return_lse: bool = False, attend_draft: bool = True, check=False,
         logit_cap: float = 0.0, sliding_window_size: int = -1, window_kv_offsets=None,
         xai_temperature_len: int = -1, kv_last_page_len=None,
     ) -> "VerifyPlan":
@@ -401,10 +455,13 @@ class VerifySplitKV:
         their *values* may change between runs (a graph replay with new
         lengths), not their addresses or sizes.
 
+        Everything after ``kv_indices`` is a keyword.
+
         Args:
             q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr,
-            kv_indptr, kv_indices, custom_mask, mask_indptr, is_causal: as for
+            kv_indptr, kv_indices, custom_mask, mask_indptr: as for
                 :func:`splitkv.verify_splitkv_fwd`.
+            is_causal: causal draft block when there is no ``custom_mask`` (a bool).
             sm_scale: softmax scale (default ``1/sqrt(head_dim)``).
             k_scale: key-pool multiplier (Python number).
             v_scale: value-pool multiplier (Python number).
@@ -412,8 +469,11 @@ class VerifySplitKV:
             return_lse: also write the natural-log LSE per (token, query head).
             attend_draft: ``False`` attends to the prefix only (a context-parallel
                 shard that does not own the draft block).
-            check: validate values too (:func:`splitkv.checks.check_verify_values`;
-                it reads the device, so it is skipped while the stream is being captured).
+            check: ``True``: the kernel validates the metadata of every run and
+                :meth:`VerifyPlan.run` raises what it found (:mod:`splitkv.errors`);
+                ``"full"``: that, and the values are checked on the host now
+                (:func:`splitkv.checks.check_verify_values`, which reads the device:
+                skipped while the stream is being captured); ``False``: neither.
             logit_cap: if ``> 0``, scores ``s`` become ``cap * tanh(s / cap)``.
             sliding_window_size: if ``> 0``, the query at position ``p`` sees keys
                 at positions ``>= p - sliding_window_size``; only the slices that
@@ -430,7 +490,12 @@ class VerifySplitKV:
 
         Raises:
             ValueError: on malformed input or shapes this runner was not built for.
+            TypeError: for an ``is_causal`` or ``check`` of the wrong type.
         """
+        if not isinstance(is_causal, bool):
+            raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+        if check not in (False, True, "full"):
+            raise TypeError(f"check must be False, True or 'full', got {check!r}")
         dims = check_verify_inputs(
             q_extend, k_extend, v_extend, None, k_buffer, v_buffer,
             qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, self.max_len_extend, sinks,
@@ -443,9 +508,7 @@ class VerifySplitKV:
             raise ValueError(f"this runner serves (H_Q, H_KV, D, Dv) = {want}, got {got}")
         if dims.batch_size > self.max_bs:
             raise ValueError(f"batch of {dims.batch_size} exceeds this runner's max_bs={self.max_bs}")
-        if dims.num_tokens > dims.batch_size * self.max_len_extend:
-            raise ValueError(f"{dims.num_tokens} draft rows exceed batch_size x max_len_extend")
-        if check and not _capturing(q_extend.device):
+        if check == "full" and not _capturing(q_extend.device):
             check_verify_values(qo_indptr, kv_indptr, kv_indices, k_buffer.shape[0], self.max_len_extend,
                                 custom_mask, mask_indptr, num_tokens=dims.num_tokens,
                                 kv_last_page_len=kv_last_page_len, page_size=dims.page_size)
@@ -454,7 +517,7 @@ class VerifySplitKV:
                           v_scale=v_scale, sinks=sinks, return_lse=return_lse, attend_draft=attend_draft,
                           logit_cap=logit_cap, sliding_window_size=sliding_window_size,
                           window_kv_offsets=window_kv_offsets, xai_temperature_len=xai_temperature_len,
-                          kv_last_page_len=kv_last_page_len)
+                          kv_last_page_len=kv_last_page_len, check=bool(check))
 
     def _launcher(self, key: tuple, constexprs: dict, options: dict, fn) -> Launcher:
         launcher = self._launchers.get(key)
@@ -465,17 +528,13 @@ class VerifySplitKV:
     def __call__(
         self,
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
-        qo_indptr, kv_indptr, kv_indices,
-        custom_mask=None, mask_indptr=None, is_causal=True, *,
-        sm_scale: Optional[float] = None, k_scale: float = 1.0, v_scale: float = 1.0,
-        sinks=None,
+        qo_indptr, kv_indptr, kv_indices, **options,
     ):
-        """Plan and run in one go; writes and returns ``o_extend``."""
+        """Plan and run in one go; writes and returns ``o_extend``. ``options``: :meth:`plan`'s keywords
+        (without ``return_lse``)."""
         plan = self.plan(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
-                         custom_mask, mask_indptr, is_causal, sm_scale=sm_scale, k_scale=k_scale,
-                         v_scale=v_scale, sinks=sinks)
-        plan.run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out=o_extend)
-        return o_extend
+                         **options)
+        return plan.run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out=o_extend)
 
 
 class VerifyPlan:
@@ -500,7 +559,7 @@ class VerifyPlan:
                  qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, is_causal, *,
                  sm_scale, k_scale, v_scale, sinks, return_lse, attend_draft,
                  logit_cap=0.0, sliding_window_size=-1, window_kv_offsets=None, xai_temperature_len=-1,
-                 kv_last_page_len=None):
+                 kv_last_page_len=None, check=False):
         r = runner
         bs = qo_indptr.shape[0] - 1
         n_tok = q_extend.shape[0]
@@ -512,6 +571,10 @@ class VerifyPlan:
         self.dtype = q_extend.dtype
         self.device = q_extend.device
         self.return_lse = return_lse
+        #: the kernel validates the metadata and run() raises what it found (:mod:`splitkv.errors`)
+        self.checked = bool(check)
+        #: most polls of a merge program waiting for its slices before it reports a fault
+        self.spin_limit = SPIN_LIMIT
         self._kv_dtype = k_buffer.dtype
         self._tiles = bs * r.head_tiles
         paged = k_buffer.dim() == 4
@@ -524,7 +587,7 @@ class VerifyPlan:
         self._small = r._small_batch(bs, k_buffer.dtype, prefix) is not None
         self._spread = False  # merge in a second launch whatever merge_mode() says
         self.merge: Optional[int] = None  # set by _pick_launchers
-        self.config = cfg = r.config(k_buffer.dtype, bs, prefix, self.page_size)
+        self.config = cfg = r.config(k_buffer.dtype, bs, prefix, self.page_size, q_extend.dtype)
         self._size(kv_len)
         if sm_scale is None:
             sm_scale = 1.0 / math.sqrt(r.head_dim)
@@ -534,15 +597,19 @@ class VerifyPlan:
         #: the device index (-1 for the CPU) every tensor of a run must report: the launch
         #: passes addresses, not tensors (see ``run``), so nothing downstream would check it
         self._dev_index = q_extend.get_device()
-        #: what every run's layer tensors must report: 7 devices (q, k, v, pools, out, lse), then 5 dtypes
+        #: what every run's tensors must report: 6 devices (q, k, v, pools, out), then 5 dtypes
         #: (q, k, v, pools; the output's is free: a context-parallel shard writes float32 partials)
-        self._layer = (self._dev_index,) * 7 + (q_extend.dtype,) * 3 + (k_buffer.dtype,) * 2
+        self._layer = (self._dev_index,) * 6 + (q_extend.dtype,) * 3 + (k_buffer.dtype,) * 2
+        #: and their shapes, then strides: the launch's strides and bounds are the planned ones
+        layer = (q_extend, k_extend, v_extend, k_buffer, v_buffer)
+        self._layout = tuple(t.shape for t in layer) + tuple(t.stride() for t in layer)
         # Bound metadata: the same tensors every run (their values may change).
         self._bind(qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, sinks,
                    kv_last_page_len, window_kv_offsets)
         self._scales = (float(sm_scale) * float(k_scale) * LOG2E, float(sm_scale) * LOG2E, float(v_scale),
                         float(logit_cap) * LOG2E if logit_cap and logit_cap > 0 else 0.0)
         self._pool_tokens = min(k_buffer.shape[0], v_buffer.shape[0])
+        self._p_err = r.error_word.data_ptr()
         #: the pools' element offsets fit 32 bits: the kernel gathers with 32-bit address arithmetic
         self.offsets_32 = pool_offsets_32(k_buffer) and pool_offsets_32(v_buffer)
         self._min_split = min_split
@@ -587,6 +654,7 @@ class VerifyPlan:
             MERGE_UNROLL=4,
             DOT_PRECISION="ieee" if q_extend.dtype == torch.float32 else None,
             DOT_F16=_element_size(k_buffer.dtype) == 1 and q_extend.dtype == torch.bfloat16,
+            CHECK=self.checked,
         )
         self._constexprs = constexprs
         self._options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -597,15 +665,11 @@ class VerifyPlan:
     def _size(self, kv_len: int) -> None:
         """Split count, grid and scratch for ``kv_len`` entries of ``kv_indices``."""
         r, bs = self.runner, self.batch_size
-        self.kv_len = kv_len
-        if r.split_tokens is not None and r.fixed_n_splits is None:
-            # Fixed slices: enough for the longest possible prefix (every key in one sequence).
-            self.n_splits = fixed_n_splits(kv_len * self.page_size, r.split_tokens)
-        else:
-            self.n_splits = r.n_splits(bs, self._prefix(kv_len), self._kv_dtype, self._small,
-                                       self.page_size)
-        if self._tiles >= 2**31 or self.n_splits > MAX_GRID_SPLITS:
-            raise ValueError(f"grid {(self._tiles, self.n_splits)} exceeds CUDA's launch limits")
+        n_splits = r.n_splits(bs, self._prefix(kv_len), self._kv_dtype, self._small, self.page_size)
+        reason = launch_limit_reason(self._tiles, n_splits, kv_len * self.page_size)
+        if reason is not None:
+            raise LaunchLimitError(reason)
+        self.kv_len, self.n_splits = kv_len, n_splits
         self._set_grid()
         rows = self._tiles * self.n_splits * self.config.block_m
         self.scratch_bytes = 0 if self.n_splits == 1 else rows * (r.v_head_dim + 1) * 4
@@ -654,11 +718,14 @@ class VerifyPlan:
         self.merge, rows = self._launch_kind()
         #: one launch: no merge kernel follows the verify kernel
         self.fused = self.merge != SEPARATE_MERGE
+        # Programmatic dependent launch: the merge kernel may start while the verify grid drains,
+        # since it waits for it before its first load. The verify kernel is never launched early:
+        # the kernel before it (the caller's) may write q or the metadata until it ends.
         pdl = self._pdl and not self.fused
         consts = dict(self._constexprs, MERGE=self.merge or SEPARATE_MERGE, MERGE_ROWS=rows,
                       MERGE_DV=min(GRID_MERGE_DV, self._constexprs["BLOCK_DV"]), USE_PDL=pdl,
                       DOT_PRECISION=self._constexprs["DOT_PRECISION"])
-        options = dict(self._options, **({"launch_pdl": True} if pdl else {}))
+        options = dict(self._options)
         self._launch = r._launcher(("verify",) + tuple(consts.values()) + (cfg,), consts, options, _verify_kernel)
         self._set_grid()
         self._merge = None
@@ -678,7 +745,7 @@ class VerifyPlan:
         scalars = (
             *self._scales, self.num_tokens, self._pool_tokens, kv_len,
             custom_mask.numel() if custom_mask is not None else 0, self.n_splits, self._min_split,
-            *self._features,
+            *self._features, self.runner.max_len_extend, self.spin_limit,
         )
         if scalars != getattr(self, "_scalars", None):
             self._scalars = scalars
@@ -719,7 +786,7 @@ class VerifyPlan:
         self._meta, self._meta_ptrs = m, ptrs
         # What the compiled kernel is specialised on that is fixed per bind: the inputs' and the
         # metadata's dtypes, the metadata's 16-byte alignment.
-        self._static_key = (self._layer[7:], dtypes, alignment_bits(ptrs))
+        self._static_key = (self._layer[6:], dtypes, alignment_bits(ptrs))
 
     def rebind(self, qo_indptr, kv_indptr, kv_indices, custom_mask=None, mask_indptr=None, sinks=None,
                kv_last_page_len=None, window_kv_offsets=None) -> None:
@@ -762,38 +829,47 @@ class VerifyPlan:
         """Drop the references to the bound metadata (a cached plan between rebinds)."""
         self._meta = self._meta_ptrs = None
 
-    def run(self, q_extend, k_extend, v_extend, k_buffer, v_buffer, out=None, lse=None):
+    def run(self, q_extend, k_extend, v_extend, k_buffer, v_buffer, *, out=None, lse=None) -> torch.Tensor:
         """Launch for one layer's tensors (same shapes, dtypes and strides as planned).
 
         Args:
             q_extend, k_extend, v_extend, k_buffer, v_buffer: the layer's tensors.
-            out: ``[tokens, H_Q, Dv]`` output to write (default: a new tensor).
-                Rows past ``qo_indptr[-1]`` are not written.
-            lse: ``[tokens, H_Q]`` float32 for the natural-log LSE when the plan
-                has ``return_lse`` (default: a new tensor).
+            out: ``[tokens, H_Q, Dv]`` output to write, unit stride in its last
+                dimension (default: a new tensor). Rows past ``qo_indptr[-1]``
+                are not written.
+            lse: ``[tokens, H_Q]`` contiguous float32 for the natural-log LSE;
+                required by a plan made with ``return_lse``, refused by others.
 
         Returns:
-            ``out``, or ``(out, lse)`` when the plan has ``return_lse``.
+            ``out``.
 
         Raises:
-            ValueError: for a tensor on another device than the plan's, or of
-                another dtype than planned.
+            ValueError: for a tensor of another device, dtype, shape or strides
+                than planned, a malformed ``out`` or ``lse``; with a checked
+                plan, :class:`splitkv.errors.VerifyError` for a fault the kernel
+                found in this run's or an earlier run's metadata.
             RuntimeError: after :meth:`release`, until the next :meth:`rebind`.
         """
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-        if self.return_lse and lse is None:
-            lse = torch.empty(self.out_shape[:2], dtype=torch.float32, device=self.device)
-        lse_arg = lse if lse is not None else out
-        # The launch passes addresses, not tensors: nothing downstream would check the devices.
+        layer = (q_extend, k_extend, v_extend, k_buffer, v_buffer)
+        # The launch passes addresses, not tensors: nothing downstream would check these.
         if (q_extend.get_device(), k_extend.get_device(), v_extend.get_device(), k_buffer.get_device(),
-                v_buffer.get_device(), out.get_device(), lse_arg.get_device(), q_extend.dtype, k_extend.dtype,
-                v_extend.dtype, k_buffer.dtype, v_buffer.dtype) != self._layer:
-            self._refuse(q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg)
+                v_buffer.get_device(), out.get_device(), q_extend.dtype, k_extend.dtype,
+                v_extend.dtype, k_buffer.dtype, v_buffer.dtype) != self._layer or (
+                q_extend.shape, k_extend.shape, v_extend.shape, k_buffer.shape, v_buffer.shape,
+                q_extend.stride(), k_extend.stride(), v_extend.stride(), k_buffer.stride(),
+                v_buffer.stride()) != self._layout:
+            self._refuse(layer, out)
+        check_output(out, lse, self.out_shape, self.return_lse)
         if self._meta is None:
             raise RuntimeError("this plan was released: rebind() it to a step's metadata first")
-        self._run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg)
-        return (out, lse) if self.return_lse else out
+        if self.checked:
+            raise_pending(self.device, self._dev_index)
+        self._run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse if lse is not None else out)
+        if self.checked:
+            raise_pending(self.device, self._dev_index)
+        return out
 
     def _new_partials(self, stream: Optional[int], raw: bool) -> Tuple[Optional[torch.Tensor], int]:
         """This run's float32 partials from the caching allocator (outputs, then LSEs at
@@ -804,17 +880,33 @@ class VerifyPlan:
         parts = torch.empty(self._part_rows * (self.runner.v_head_dim + 1), dtype=torch.float32, device=self.device)
         return parts, parts.data_ptr()
 
-    def _refuse(self, *layer) -> None:
-        names = ("q_extend", "k_extend", "v_extend", "k_buffer", "v_buffer", "out", "lse")
-        for name, t, dev in zip(names, layer, self._layer):
-            if t.get_device() != dev:
+    def _refuse(self, layer, out) -> None:
+        """Raise the ValueError naming the first tensor that differs from the planned ones."""
+        names = ("q_extend", "k_extend", "v_extend", "k_buffer", "v_buffer")
+        for i, (name, t) in enumerate(zip(names, layer)):
+            if t.get_device() != self._dev_index:
                 raise ValueError(f"run() takes tensors on the plan's device, {self.device}; {name} is on {t.device}")
-        for name, t, dtype in zip(names, layer, self._layer[7:]):
-            if t.dtype != dtype:
-                raise ValueError(f"run() takes tensors of the planned dtypes; {name} is {t.dtype}, planned {dtype}")
+            if t.dtype != self._layer[6 + i]:
+                raise ValueError(f"run() takes tensors of the planned dtypes; {name} is {t.dtype}, "
+                                 f"planned {self._layer[6 + i]}")
+            if (t.shape, t.stride()) != (self._layout[i], self._layout[5 + i]):
+                raise ValueError(f"run() takes tensors of the planned shapes and strides; {name} is "
+                                 f"{tuple(t.shape)} with strides {t.stride()}, planned "
+                                 f"{tuple(self._layout[i])} with {self._layout[5 + i]}")
+        raise ValueError(f"run() takes tensors on the plan's device, {self.device}; out is on {out.device}")
 
     def _run(self, q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg) -> None:
-        """Launch, for tensors whose devices and dtypes are the plan's (``lse_arg``: ``out`` without LSE)."""
+        """Launch, for tensors whose devices and dtypes are the plan's (``lse_arg``: ``out`` without LSE).
+
+        A launch that cannot merge in the verify grid (no counters to be had inside a capture, or
+        merge programs that would make the kernel spill) switches the plan to a second merge launch
+        and goes again.
+        """
+        if not self._launch_once(q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg):
+            self._launch_once(q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg)
+
+    def _launch_once(self, q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg) -> bool:
+        """:meth:`_run`'s launches; ``False`` (nothing launched) when the plan switched to a second merge launch."""
         r = self.runner
         stream = torch._C._cuda_getCurrentRawStream(self._dev_index) if self._dev_index >= 0 else None
         lse_offset = self._lse_offset
@@ -848,28 +940,26 @@ class VerifyPlan:
             if self.fused:
                 cnt = counters(self.device, self._tiles + GRID_COUNTERS,
                                None if stream is None else (self._dev_index, stream))
-                if cnt is None:  # a new stream inside a capture and no zeroed counters left: merge in a second launch
+                if cnt is None:  # inside a capture with no zeroed counters left
                     if block:
                         _raw_delete(block)
                     self._pick_launchers(spread=True)
-                    return self._run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg)
+                    return False
                 p_cnt = cnt.data_ptr()
         meta = self._meta_ptrs
         try:
             if not self._launch.run_ptrs(key, self.grid, (p_q, p_k, p_v, p_kb, p_vb, p_o, p_lse, *meta, p_parts,
-                                                          lse_offset, p_cnt, *self._tail, s_ot, s_oh), stream):
+                                                          lse_offset, p_cnt, self._p_err, *self._tail, s_ot, s_oh),
+                                         stream):
                 if self.n_splits == 1:  # held by no one past this call (a plan may be made inside a graph's pool)
                     parts = cnt = torch.empty(1, dtype=torch.float32, device=self.device)
                 args = (q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg, *self._meta,
-                        parts, lse_offset, cnt, *self._tail, s_ot, s_oh)
+                        parts, lse_offset, cnt, r.error_word, *self._tail, s_ot, s_oh)
                 if self.merge == MERGE_PROGRAMS and self._launch.spills(args, self.grid):
-                    # Merge programs share the verify kernel's registers and must not push the slices'
-                    # loop into spilling: merge in a second launch instead. Qwen3-Next's fp8 tile (255
-                    # registers) spilled 46-50 values with them and 20 without: 1.04-1.22x the time of
-                    # the second launch at each of its 12 benchmark shapes (H200, 2026-12-01, batch 8 /
-                    # 64k 360.7 against 294.6 µs); its bf16 tile and Qwen3-32B's fp8 tile spill neither way.
+                    # Merge programs share the verify kernel's registers: where they would make the
+                    # slices' loop spill, a second merge launch is faster (see docs/design.md).
                     self._pick_launchers(spread=True)
-                    return self._run(q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg)
+                    return False
                 self._launch(self.grid, args, stream, key)  # compiles
             if self._merge is not None:
                 # Arguments: out, lse, qo_indptr, kv_indptr, last-page lengths, sinks, partials, then the
@@ -884,6 +974,7 @@ class VerifyPlan:
         finally:
             if block:
                 _raw_delete(block)  # back to the cache, for what this stream runs next
+        return True
 
 
 def mean_prefix(kv_len: int, page_size: int, batch_size: int) -> int:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import torch
 
@@ -54,6 +55,8 @@ __all__ = [
     "one_wave_n_splits",
     "fixed_n_splits",
     "device_sm_count",
+    "launch_limit_reason",
+    "LaunchLimitError",
     "MAX_SPLITS",
     "MAX_GRID_SPLITS",
 ]
@@ -134,14 +137,33 @@ def one_wave_n_splits(base: int, prefix_len: int, num_sms: int, *, min_split_tok
     return max(1, min(useful, num_sms // max(1, base)))
 
 
-def fixed_n_splits(kv_len: int, split_tokens: int) -> int:
+def fixed_n_splits(max_prefix_len: int, split_tokens: int) -> int:
     """Grid slices for the fixed-slice (batch-invariant) mode.
 
     Every sequence's prefix is cut into ``cdiv(n_prefix, split_tokens)``
-    slices whatever the batch; no prefix is longer than ``kv_indices``
-    (``kv_len`` entries), so ``cdiv(kv_len, split_tokens)`` slices always
-    suffice.
+    slices whatever the batch; ``cdiv(max_prefix_len, split_tokens)`` slices
+    cover every prefix up to the caller's bound ``max_prefix_len``.
     """
     if split_tokens < 1:
         raise ValueError(f"split_tokens must be positive, got {split_tokens}")
-    return max(1, -(-int(kv_len) // split_tokens))
+    return max(1, -(-int(max_prefix_len) // split_tokens))
+
+
+class LaunchLimitError(ValueError):
+    """A launch whose grid or key positions would pass a CUDA or 32-bit limit."""
+
+
+def launch_limit_reason(tiles: int, n_splits: int, keys: int) -> Optional[str]:
+    """Why a verify grid of ``(tiles, n_splits)`` over ``keys`` prefix keys cannot launch, or ``None``.
+
+    Axis 0 (tiles) holds up to ``2^31 - 1`` programs, axis 1 (slices) up to
+    :data:`MAX_GRID_SPLITS`; key positions are 32-bit in the kernel (pool
+    rows, draft rows and mask positions are 64-bit).
+    """
+    if tiles >= 2**31:
+        return f"launch limit: {tiles} tiles exceed CUDA's 2^31 - 1 programs on grid axis 0"
+    if n_splits > MAX_GRID_SPLITS:
+        return f"launch limit: {n_splits} slices exceed CUDA's {MAX_GRID_SPLITS} on grid axis 1"
+    if keys >= 2**31:
+        return f"launch limit: {keys} prefix keys exceed 32-bit positions"
+    return None

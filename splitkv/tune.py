@@ -34,6 +34,13 @@ Three sweeps, all timed as CUDA-graph replays with ``triton.testing.do_bench``
 Every measurement is written to the table's ``sweep`` lists, so the choice
 can be checked. Sweep 1 took about 80 s per pool dtype on an H200
 (2026-12-01), its paged form 290-310 s; a full run of the three sweeps takes over ten minutes.
+
+Where the table goes: by default a new file, ``tuned_<gpu>.json`` in the
+working directory (``<gpu>`` from the device name, ``"NVIDIA H200"`` ->
+``h200``), or ``--out PATH``; the package's own table, the one every launch
+reads, is overwritten only with ``--replace``. ``--tiles-only``, ``--paged``
+and ``--small-batch`` update one part of a table and keep the rest: of the
+output file when it exists, else of the package's table.
 """
 
 from __future__ import annotations
@@ -42,13 +49,14 @@ import argparse
 import datetime
 import json
 import math
+import os
 import platform
 import time
 
 import torch
 
 from . import tuning
-from .bench import Timer
+from .bench import Timer, gpu_tag
 from .bench_breadth import PAGE_SIZES
 from .kernel import TileConfig, block_m_for, rows_per_tile
 from .runner import VerifySplitKV
@@ -100,8 +108,8 @@ def _timed_plan(p, **runner_kwargs):
     q, k, v, _, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices = p.args(out)[:9]
     runner = VerifySplitKV(base.num_q_heads, base.num_kv_heads, base.head_dim, base.v_head_dim,
                            base.max_len_extend, base.batch_size, "cuda", **runner_kwargs)
-    plan = runner.plan(q, k, v, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, base.custom_mask,
-                       base.mask_indptr, base.is_causal, sm_scale=base.sm_scale, k_scale=base.k_scale,
+    plan = runner.plan(q, k, v, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask=base.custom_mask,
+                       mask_indptr=base.mask_indptr, is_causal=base.is_causal, sm_scale=base.sm_scale, k_scale=base.k_scale,
                        v_scale=base.v_scale, kv_last_page_len=getattr(p, "kv_last_page_len", None))
     run = lambda: plan.run(q, k, v, k_buffer, v_buffer, out=out)  # noqa: E731
     return plan, run
@@ -264,33 +272,73 @@ def _write_table(path, table):
         f.write("\n")
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m splitkv.tune", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=tuning.TABLE_PATH, help="table to write (default: the package's)")
+def default_out_path(device_name: str) -> str:
+    """``tuned_<gpu>.json`` in the working directory: a new file, never the package's table."""
+    return f"tuned_{gpu_tag(device_name)}.json"
+
+
+def out_path(args, device_name: str) -> str:
+    """The table a run writes: ``--out``, the package's with ``--replace``, else :func:`default_out_path`."""
+    if args.replace:
+        return tuning.TABLE_PATH
+    return args.out or default_out_path(device_name)
+
+
+def base_path(out: str) -> str:
+    """The table a partial sweep updates: the output file when it exists, else the package's."""
+    return out if os.path.exists(out) else tuning.TABLE_PATH
+
+
+def _how_to_use(out: str) -> str:
+    """The last line of a run that did not replace the package's table."""
+    return (f"the package reads splitkv/{os.path.basename(tuning.TABLE_PATH)}; to use {out}, copy it there "
+            "or run the sweep with --replace")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m splitkv.tune", description=__doc__.split("\n")[0],
+                                 epilog="The table goes to a new file, tuned_<gpu>.json here, unless --out or "
+                                        "--replace says otherwise.")
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--out", metavar="PATH",
+                       help="table to write (default: tuned_<gpu>.json in the working directory)")
+    where.add_argument("--replace", action="store_true",
+                       help=f"overwrite the package's table (splitkv/{os.path.basename(tuning.TABLE_PATH)}), which "
+                            "every launch reads")
     ap.add_argument("--small-batch", action="store_true",
                     help="run sweep 3 alone and update the table's small_batch_tiles")
     ap.add_argument("--tiles-only", choices=sorted(KV_DTYPES), metavar="KV_DTYPE",
                     help="run sweep 1 alone for this pool dtype (one of %(choices)s) and update its tiles")
     ap.add_argument("--paged", choices=sorted(KV_DTYPES), metavar="KV_DTYPE",
                     help="run sweep 1 on paged pools alone for this pool dtype and update its paged tiles")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the sweep needs a CUDA GPU")
     import triton
 
+    out = out_path(args, torch.cuda.get_device_name())
     start = time.time()
     log = lambda msg: print(f"[{time.time() - start:6.1f}s] {msg}", flush=True)  # noqa: E731
+    log(f"writing {out}" + ("" if args.replace else " (the package's table is left as it is; --replace overwrites it)"))
     if args.tiles_only or args.paged:
         paged = args.paged is not None
-        table = _tiles_only(args.out, args.paged or args.tiles_only, log, paged)
-        _write_table(args.out, table)
+        table = _tiles_only(base_path(out), args.paged or args.tiles_only, log, paged)
+        _write_table(out, table)
         key = "paged_tiles" if paged else "tiles"
-        log(f"wrote {args.out}: {key} {[_tile_summary(r) for r in table[key]]}")
+        log(f"wrote {out}: {key} {[_tile_summary(r) for r in table[key]]}")
+        if not args.replace:
+            log(_how_to_use(out))
         return
     if args.small_batch:
-        table = _small_batch_only(args.out, log)
-        _write_table(args.out, table)
-        log(f"wrote {args.out}: small_batch_tiles {[(r['from_model'], r['block_n'], r['num_warps'], r['num_stages']) for r in table['small_batch_tiles']]}")
+        table = _small_batch_only(base_path(out), log)
+        _write_table(out, table)
+        log(f"wrote {out}: small_batch_tiles {[(r['from_model'], r['block_n'], r['num_warps'], r['num_stages']) for r in table['small_batch_tiles']]}")
+        if not args.replace:
+            log(_how_to_use(out))
         return
     tiles, tile_sweep = sweep_tiles(log)
     tuning.TUNED["tiles"] = {(r["head_dim"], r["block_m"], r["kv_bytes"]): r for r in tiles}
@@ -314,9 +362,11 @@ def main(argv=None):
         small_batch_tiles=small_rows,
         small_batch_sweep=small_sweep,
     )
-    _write_table(args.out, table)
-    log(f"wrote {args.out}: min_split_tokens {best_ms}; tiles {[_tile_summary(r) for r in tiles]}; "
+    _write_table(out, table)
+    log(f"wrote {out}: min_split_tokens {best_ms}; tiles {[_tile_summary(r) for r in tiles]}; "
         f"paged tiles {[_tile_summary(r) for r in paged_tiles]}")
+    if not args.replace:
+        log(_how_to_use(out))
 
 
 if __name__ == "__main__":

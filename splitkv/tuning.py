@@ -1,7 +1,7 @@
 """Launch settings measured on the H200: the table the kernel's tile choice reads.
 
-``tuned_h200.json`` beside this file is written by ``python -m splitkv.tune``
-(a sweep over BLOCK_N, warps, pipeline stages and the K tile's layout, and
+``tuned_h200.json`` beside this file is written by ``python -m splitkv.tune
+--replace`` on an H200 (a sweep over BLOCK_N, warps, pipeline stages and the K tile's layout, and
 over the split chooser's slice length, timed from CUDA graphs with
 ``do_bench``). It holds:
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import warnings
 from typing import Dict, Tuple
 
 from .checks import interpreting
@@ -58,6 +59,29 @@ def _load() -> dict:
 
 #: The sweep's table (see the module docstring).
 TUNED: dict = _load()
+
+_untuned_checked = False
+
+
+def _notice_if_untuned() -> None:
+    """Once per process, on a CUDA GPU the table was not swept on: one line saying how to tune.
+
+    That GPU gets the table's entries as its defaults, as before; under the
+    interpreter (no GPU) there is nothing to say.
+    """
+    global _untuned_checked
+    if _untuned_checked or interpreting():
+        return
+    _untuned_checked = True
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    name, swept = torch.cuda.get_device_name(), TUNED.get("device")
+    if name != swept:
+        warnings.warn(f"splitkv: no tuned tile table for {name}; using the defaults measured on the {swept} "
+                      f"(splitkv/{os.path.basename(TABLE_PATH)}). To tune for this GPU: "
+                      "python -m splitkv.tune --replace (over ten minutes)", stacklevel=3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,6 +118,7 @@ def paged_tile_row(head_dim: int, block_m: int, kv_bytes: int, page_size: int):
 
 def _tile_row(head_dim: int, block_m: int, kv_bytes: int, page_size: int) -> Dict:
     """The table row a launch's tile comes from: its paged row if it has one, else the nearest token-pool row."""
+    _notice_if_untuned()
     return paged_tile_row(head_dim, block_m, kv_bytes, page_size) or _nearest(head_dim, block_m, kv_bytes)
 
 
@@ -141,6 +166,7 @@ def min_split_tokens() -> int:
     """The shortest prefix slice the adaptive chooser gives a program of its own."""
     if interpreting():
         return INTERPRETER_MIN_SPLIT_TOKENS
+    _notice_if_untuned()
     return TUNED["min_split_tokens"]
 
 

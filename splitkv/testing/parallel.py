@@ -151,12 +151,13 @@ def simulate_context_parallel(problem, world_size: int, mode: str = "chunk", blo
                                p.batch_size, p.q_extend.device, n_splits=n_splits)
         draft = rank == draft_rank
         plan = runner.plan(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer, lp.qo_indptr,
-                           lp.kv_indptr, lp.kv_indices, lp.custom_mask if draft else None,
-                           lp.mask_indptr if draft else None, lp.is_causal, sm_scale=lp.sm_scale,
-                           k_scale=lp.k_scale, v_scale=lp.v_scale, sinks=lp.sinks if draft else None,
-                           return_lse=True, attend_draft=draft, check=True, logit_cap=logit_cap,
-                           kv_last_page_len=last)
-        o, s = plan.run(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer)
+                           lp.kv_indptr, lp.kv_indices, custom_mask=lp.custom_mask if draft else None,
+                           mask_indptr=lp.mask_indptr if draft else None, is_causal=lp.is_causal,
+                           sm_scale=lp.sm_scale, k_scale=lp.k_scale, v_scale=lp.v_scale,
+                           sinks=lp.sinks if draft else None, return_lse=True, attend_draft=draft, check="full",
+                           logit_cap=logit_cap, kv_last_page_len=last)
+        s = torch.empty(plan.out_shape[:2], dtype=torch.float32, device=plan.device)
+        o = plan.run(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer, lse=s)
         o_parts.append(o)
         s_parts.append(s)
     o_all, s_all = torch.stack(o_parts, 1), torch.stack(s_parts, 1)
@@ -312,17 +313,19 @@ def run_cases(rank: int, world_size: int, cases: Sequence[dict]) -> List[dict]:
                                        p.batch_size, p.q_extend.device, draft_rank=draft_rank, dst=dst,
                                        partial_dtype=case.get("partial_dtype"), n_splits=case.get("n_splits"))
             plan = cp.plan(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer, lp.qo_indptr,
-                           lp.kv_indptr, lp.kv_indices, lp.custom_mask, lp.mask_indptr, lp.is_causal,
-                           sm_scale=lp.sm_scale, k_scale=lp.k_scale, v_scale=lp.v_scale, sinks=lp.sinks,
-                           return_lse=True, check=True)
+                           lp.kv_indptr, lp.kv_indices, custom_mask=lp.custom_mask, mask_indptr=lp.mask_indptr,
+                           is_causal=lp.is_causal, sm_scale=lp.sm_scale, k_scale=lp.k_scale, v_scale=lp.v_scale,
+                           sinks=lp.sinks, return_lse=True, check="full")
             res = None
             for _ in range(2):  # the second run reuses the plan and its buffers
-                res = plan.run(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer,
-                               out=lp.new_output() if plan.merges else None)
+                out = lp.new_output() if plan.merges else None
+                lse = torch.empty(plan.out_shape[:2], dtype=torch.float32, device=plan.device) if plan.merges else None
+                res = plan.run(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer, out=out, lse=lse)
+                res = None if res is None else (res, lse)
             part_lse = plan.part_lse.clone() if plan.world_size > 1 else None
         else:
-            res = cp_verify_attention(*lp.args(lp.new_output()), sm_scale=lp.sm_scale, sinks=lp.sinks,
-                                      draft_rank=draft_rank, dst=dst, return_lse=True, check=True)
+            res = cp_verify_attention(*lp.tensors(lp.new_output()), **lp.options(), draft_rank=draft_rank, dst=dst,
+                                      return_lse=True, check="full")
         out, lse = res if res is not None else (None, None)
         results.append(dict(out=out, lse=lse, part_lse=part_lse, local_prefix_lens=lp.prefix_lens))
     return results

@@ -189,6 +189,16 @@ class VerifyProblem:
         """Keyword arguments: ``sm_scale`` and ``sinks``."""
         return {"sm_scale": self.sm_scale, "sinks": self.sinks}
 
+    def tensors(self, o_extend: Optional[torch.Tensor]) -> tuple:
+        """The positional tensors of :func:`splitkv.verify_attention`: ``args(o_extend)`` up to ``kv_indices``."""
+        return self.args(o_extend)[:9]
+
+    def options(self) -> dict:
+        """The keywords of :func:`splitkv.verify_attention` after ``kv_indices`` for this problem."""
+        a = self.args(None)
+        return {"custom_mask": a[9], "is_causal": a[10], "mask_indptr": a[11], "max_len_extend": a[12],
+                "k_scale": a[13], "v_scale": a[14], **self.kwargs()}
+
     def replace(self, **changes) -> "VerifyProblem":
         """A copy with some fields replaced (tensors are shared, not copied)."""
         return dataclasses.replace(self, **changes)
@@ -429,6 +439,14 @@ class PagedProblem:
     def kwargs(self) -> dict:
         """Keyword arguments: ``problem.kwargs()`` plus ``kv_last_page_len``."""
         return {**self.problem.kwargs(), "kv_last_page_len": self.kv_last_page_len}
+
+    def tensors(self, o_extend: Optional[torch.Tensor]) -> tuple:
+        """The positional tensors of :func:`splitkv.verify_attention` on the paged pool."""
+        return self.args(o_extend)[:9]
+
+    def options(self) -> dict:
+        """The keywords of :func:`splitkv.verify_attention` after ``kv_indices``, ``kv_last_page_len`` included."""
+        return {**self.problem.options(), "kv_last_page_len": self.kv_last_page_len}
 
 
 def paged_problem(
