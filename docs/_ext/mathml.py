@@ -1,4 +1,4 @@
-"""MkDocs hook: render the notebooks' LaTeX math as MathML when the site is built.
+r"""MkDocs hook: render the notebooks' LaTeX math as MathML when the site is built.
 
 The tutorial notebooks write math as ``$...$`` and ``$$...$$`` in Markdown
 cells. nbconvert leaves it as TeX for MathJax, which would have to come from a
