@@ -115,9 +115,9 @@ answer, never an illegal address.
 
 Checks. With ``CHECK`` the kernel also reports what it bounded: the program
 of each sequence's first slice checks the sequence's indptrs, draft count
-(against ``max_draft``), last-page length and, in the batch-invariant mode,
-that its prefix fits the grid's slices; every program checks the slots it
-gathers and the mask positions it reads. A fault is stored as ``sequence * 16
+(against ``max_draft``), last-page length, the extent of its mask rows and,
+in the batch-invariant mode, that its prefix fits the grid's slices; every
+program checks the slots it gathers. A fault is stored as ``sequence * 16
 + field`` (``ERR_*``) in ``Err``, one int32 word the host reads without
 waiting for the kernel (:mod:`splitkv.errors`): with several faults, one of
 them. Whatever ``CHECK`` says, counters that no launch could have left
@@ -291,9 +291,14 @@ def _tile_slices(tile, qo_indptr, kv_indptr, Last_Page_Len, num_tokens, kv_len, 
 
 
 @triton.jit
-def _check_sequence(Err, b, qo_indptr, kv_indptr, Last_Page_Len, num_tokens, kv_len, max_draft, n_keys, n_splits,
-                    PAGE_SIZE: tl.constexpr, SPLIT_TOKENS: tl.constexpr):
-    """Checked mode: report sequence ``b``'s malformed metadata in the error word (see "Checks")."""
+def _check_sequence(Err, b, qo_indptr, kv_indptr, Last_Page_Len, mask_indptr, Mask_Offsets, num_tokens, kv_len,
+                    mask_len, max_draft, n_prefix, n_draft, n_keys, n_splits, PAGE_SIZE: tl.constexpr,
+                    SPLIT_TOKENS: tl.constexpr, USE_MASK: tl.constexpr, HAS_MASK_OFFSETS: tl.constexpr):
+    """Checked mode: report sequence ``b``'s malformed metadata in the error word (see "Checks").
+
+    The mask check covers the sequence's whole block of ``n_draft`` rows of ``offset + n_prefix +
+    n_draft`` entries from ``mask_indptr[b]``, the columns the kernel skips included.
+    """
     q0 = tl.load(qo_indptr + b)
     q1 = tl.load(qo_indptr + b + 1)
     k0 = tl.load(kv_indptr + b)
@@ -309,6 +314,13 @@ def _check_sequence(Err, b, qo_indptr, kv_indptr, Last_Page_Len, num_tokens, kv_
                  mask=tl.where(has_pages, (last < 1) | (last > PAGE_SIZE), last != 0))
     if SPLIT_TOKENS > 0:
         tl.store(Err, code + ERR_PREFIX_BOUND, mask=tl.cdiv(n_keys, SPLIT_TOKENS) > n_splits)
+    if USE_MASK:
+        offset = 0
+        if HAS_MASK_OFFSETS:
+            offset = tl.load(Mask_Offsets + b).to(tl.int64)
+        start = tl.load(mask_indptr + b).to(tl.int64)
+        end = start + n_draft.to(tl.int64) * (offset + n_prefix + n_draft)
+        tl.store(Err, code + ERR_MASK, mask=(start < 0) | (end > mask_len))
 
 
 @triton.jit
@@ -436,8 +448,9 @@ def _verify_kernel(
         has_rows = has_rows & ticket_ok
     if CHECK:
         if (split == 0) & (head_tile == 0) & (m_block == 0):
-            _check_sequence(Err, b, qo_indptr, kv_indptr, Last_Page_Len, num_tokens, kv_len, max_draft,
-                            n_prefix - first_key, n_splits, PAGE_SIZE, SPLIT_TOKENS)
+            _check_sequence(Err, b, qo_indptr, kv_indptr, Last_Page_Len, mask_indptr, Mask_Offsets, num_tokens,
+                            kv_len, mask_len, max_draft, n_prefix, n_draft, n_prefix - first_key, n_splits,
+                            PAGE_SIZE, SPLIT_TOKENS, USE_MASK, HAS_MASK_OFFSETS)
     if (split < n_used) & has_rows:
         # Query rows: draft token l, query head h (see the module docstring).
         r = tl.arange(0, BLOCK_M)
@@ -571,9 +584,6 @@ def _verify_kernel(
                                + l.to(tl.int64)[:, None] * (offset + n_prefix + n_draft)
                                + offset + n_prefix + j[None, :])
                         in_mask = visible & (pos >= 0) & (pos < mask_len)
-                        if CHECK:
-                            outside = tl.max(tl.max((visible & ~in_mask).to(tl.int32), 1), 0)
-                            tl.store(Err, b * 16 + ERR_MASK, mask=outside != 0)
                         allowed = tl.load(Mask + pos, mask=in_mask, other=0)
                         visible = in_mask & (allowed != 0)
                     elif IS_CAUSAL:

@@ -77,10 +77,25 @@ def assert_close(out, ref, dtype=None, what="output"):
 
 
 def gate_args(problem):
-    """The positional arguments of ``can_handle``/``decline_reason`` for a problem (token or paged):
-    ``extend_attention_fwd``'s without ``o_extend``, up to ``max_len_extend``."""
+    """``(positional, keywords)`` of ``can_handle``/``decline_reason`` for a problem (token or paged):
+    the 8 tensors up to ``kv_indices`` (``extend_attention_fwd``'s without ``o_extend``), then
+    ``custom_mask``, ``is_causal``, ``mask_indptr`` and ``max_len_extend`` as keywords."""
     a = problem.args(None)
-    return a[:3] + a[4:13]
+    return a[:3] + a[4:9], {"custom_mask": a[9], "is_causal": a[10], "mask_indptr": a[11], "max_len_extend": a[12]}
+
+
+def gate_call(fn, problem, **overrides):
+    """``fn(*positional, **keywords)`` with :func:`gate_args`' arguments, ``overrides`` added or replacing."""
+    args, kwargs = gate_args(problem)
+    return fn(*args, **{**kwargs, **overrides})
+
+
+def plan_options(problem):
+    """A problem's keywords for ``VerifySplitKV.plan`` (``options()`` without ``max_len_extend``,
+    which the runner fixes): mask, ``is_causal``, scales, sinks (and ``kv_last_page_len`` when paged)."""
+    options = dict(problem.options())
+    del options["max_len_extend"]
+    return options
 
 
 def assert_matches_reference(out, problem, **overrides):
@@ -95,8 +110,9 @@ def last_plan():
     """The plan the drop-in used for its latest call (the most recently used cache entry)."""
     from splitkv import api
 
-    assert api._PLANS, "no drop-in call has been planned"
-    return next(reversed(api._PLANS.values()))
+    plans = api._CACHES.plans  # this thread's plan cache
+    assert plans, "no drop-in call has been planned"
+    return next(reversed(plans.values()))
 
 
 def all_counters_zero() -> bool:
@@ -123,7 +139,7 @@ def poisoned_workspace_runner(problem, *, poison=float("nan"), max_bs=None, max_
     max_bs = max_bs or p.batch_size
     shape = (p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend, max_bs)
     probe = VerifySplitKV(*shape, DEVICE, **kwargs)
-    if max_splits is None:  # fixed-slice mode needs it: cdiv(longest kv_indices, split_tokens)
+    if max_splits is None:  # fixed-slice mode needs it: cdiv(max_prefix_len, split_tokens)
         max_splits = kwargs.get("n_splits") or MAX_SPLITS
     need = workspace_bytes(p.num_q_heads, p.num_kv_heads, p.v_head_dim, p.max_len_extend, max_bs,
                            max_splits, pack_gqa=kwargs.get("pack_gqa", True), block_m=probe.block_m)
@@ -409,7 +425,7 @@ def run_case_unchecked(case):
     outcomes = []
 
     def entry_attention(out):
-        verify_attention(*p.args(out), **p.kwargs(), check=False)
+        verify_attention(*p.tensors(out), **p.options(), check=False)
 
     def entry_drop_in(out):
         if not verify_splitkv_fwd(*p.args(out), **p.kwargs(), check=False):
@@ -426,8 +442,9 @@ def run_case_unchecked(case):
             runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
                                    p.batch_size, DEVICE, n_splits=4, one_launch=one_launch)
             plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr,
-                               p.kv_indptr, p.kv_indices, p.custom_mask, p.mask_indptr, p.is_causal,
-                               sm_scale=p.sm_scale, k_scale=p.k_scale, v_scale=p.v_scale, sinks=p.sinks)
+                               p.kv_indptr, p.kv_indices, custom_mask=p.custom_mask, mask_indptr=p.mask_indptr,
+                               is_causal=p.is_causal, sm_scale=p.sm_scale, k_scale=p.k_scale, v_scale=p.v_scale,
+                               sinks=p.sinks)
             plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=out)
 
     for name, entry in (("verify_attention", entry_attention), ("drop-in", entry_drop_in),

@@ -1,9 +1,12 @@
-"""Malformed metadata: the checked mode raises, the unchecked kernel stays in bounds.
+"""Malformed metadata: the checked modes raise, the unchecked kernel stays in bounds.
 
 Every row of TABLE must raise a ValueError naming the bad sequence and field in
-checked mode -- ``verify_attention`` (checked by default),
-``verify_splitkv_fwd(..., check=True)`` and either entry under
-``SPLITKV_CHECK=1`` -- and must run unchecked without a crash and without
+both checked modes -- ``check=True`` (the kernel's checks: a
+:class:`splitkv.VerifyError` with the field's :data:`splitkv.errors.FIELDS`
+message, row ``kernel``) and ``check="full"`` (the synchronous host check,
+before anything is written: row ``match``) -- through ``verify_attention``
+(checked by default), ``verify_splitkv_fwd(..., check=...)`` and the drop-in
+under ``SPLITKV_CHECK=1`` / ``full`` -- and must run unchecked without a crash and without
 touching memory outside its tensors. The unchecked runs happen in a
 subprocess (a crash there cannot take pytest down) on guarded tensors: NaN
 rows around the pools and draft tensors, poison-slot entries around
@@ -16,44 +19,72 @@ import pytest
 import torch
 
 from conftest import build_case, run_unchecked_in_subprocess
-from splitkv import verify_attention, verify_splitkv_fwd
+from splitkv import VerifyError, verify_attention, verify_splitkv_fwd
 
 BASE = dict(prefix_lens=[40, 30], extend_lens=[6, 4], num_q_heads=4, num_kv_heads=2, head_dim=16, seed=5)
 
 
-def _case(name, edits=(), problem=None, max_len_extend=None, index_dtype="int64", expect=None, match=""):
+def _case(name, edits=(), problem=None, max_len_extend=None, index_dtype="int64", expect=None, match="",
+          kernel=""):
     spec = dict(BASE if problem is None else problem, index_dtype=index_dtype)
     return dict(name=name, problem=spec, edits=[list(e) for e in edits], max_len_extend=max_len_extend,
-                expect=expect, match=match)
+                expect=expect, match=match, kernel=kernel)
+
+
+# What the kernel's checks report (splitkv.errors.FIELDS), after the sequence.
+SLOT = r"kv_indices holds a slot \(or page id\) outside the pool"
+DRAFTS = r"more draft tokens than max_len_extend"
 
 
 # Sequence 1's prefix starts at kv_indices[40]; position 43 is its fourth key.
 TABLE = [
     _case("slot past the pool (int64)", [("kv_indices", 43, ["pool", 1000])], expect="absent",
-          match=r"sequence 1: kv_indices\[43\] = \d+ is outside the pool"),
+          match=r"sequence 1: kv_indices\[43\] = \d+ is outside the pool", kernel=rf"sequence 1: {SLOT}"),
     _case("slot past the pool (int32)", [("kv_indices", 43, ["pool", 1000])], index_dtype="int32",
-          expect="absent", match=r"sequence 1: kv_indices\[43\]"),
+          expect="absent", match=r"sequence 1: kv_indices\[43\]", kernel=rf"sequence 1: {SLOT}"),
     _case("slot 10**12 (int64)", [("kv_indices", 43, 10**12)], expect="absent",
-          match=r"sequence 1: kv_indices\[43\] = 1000000000000"),
-    _case("slot -5 (int64)", [("kv_indices", 5, -5)], expect="absent", match=r"sequence 0: kv_indices\[5\] = -5"),
+          match=r"sequence 1: kv_indices\[43\] = 1000000000000", kernel=rf"sequence 1: {SLOT}"),
+    _case("slot -5 (int64)", [("kv_indices", 5, -5)], expect="absent", match=r"sequence 0: kv_indices\[5\] = -5",
+          kernel=rf"sequence 0: {SLOT}"),
     _case("slot -5 (int32)", [("kv_indices", 5, -5)], index_dtype="int32", expect="absent",
-          match=r"sequence 0: kv_indices\[5\] = -5"),
+          match=r"sequence 0: kv_indices\[5\] = -5", kernel=rf"sequence 0: {SLOT}"),
     # Bounds are checked before a slot is narrowed to the gather's 32-bit offsets: 2**32 + 5 is not slot 5.
     _case("slot 2**32 + 5 (int64)", [("kv_indices", 43, 2**32 + 5)], expect="absent",
-          match=r"sequence 1: kv_indices\[43\] = 4294967301"),
+          match=r"sequence 1: kv_indices\[43\] = 4294967301", kernel=rf"sequence 1: {SLOT}"),
     _case("kv_indptr [0, 40, 30]", [("kv_indptr", None, [0, 40, 30])], expect=[0],
-          match=r"sequence 1: kv_indptr decreases \(40 -> 30\)"),
+          match=r"sequence 1: kv_indptr decreases \(40 -> 30\)",
+          kernel=r"sequence 1: kv_indptr decreases or points outside kv_indices"),
     _case("qo_indptr [0, 6, 4]", [("qo_indptr", None, [0, 6, 4])], expect=[0],
-          match=r"sequence 1: qo_indptr decreases \(6 -> 4\)"),
-    # The gate declines (80 draft rows > 2 x 4): verify_attention must raise, not fall back.
+          match=r"sequence 1: qo_indptr decreases \(6 -> 4\)",
+          kernel=r"sequence 1: qo_indptr decreases or points outside the draft rows of q_extend"),
+    # 80 draft rows for 2 sequences of at most 4: the gate serves it (reading shapes only, it cannot tell
+    # these tensors from a sub-batch's view of longer ones); both sequences' drafts are too many, and the
+    # kernel reports one of them.
     _case("drafts 40 + 40, max_len_extend 4", problem=dict(BASE, extend_lens=[40, 40]), max_len_extend=4,
-          match=r"sequence 0: 40 draft tokens exceed max_len_extend=4"),
+          match=r"sequence 0: 40 draft tokens exceed max_len_extend=4", kernel=rf"sequence [01]: {DRAFTS}"),
     # Served by the gate (41 rows <= 2 x 24): only the checked mode sees sequence 1's 40 drafts.
     _case("drafts [1, 40], max_len_extend 24", problem=dict(BASE, extend_lens=[1, 40]), max_len_extend=24,
-          expect=[0], match=r"sequence 1: 40 draft tokens exceed max_len_extend=24"),
+          expect=[0], match=r"sequence 1: 40 draft tokens exceed max_len_extend=24", kernel=rf"sequence 1: {DRAFTS}"),
 ]
 IDS = [c["name"] for c in TABLE]
-DECLINED_BY_GATE = "drafts 40 + 40, max_len_extend 4"
+#: Rows whose max_len_extend is below their drafts (the clean problem needs a larger one).
+SHORT_MAX_LEN_EXTEND = ("drafts 40 + 40, max_len_extend 4", "drafts [1, 40], max_len_extend 24")
+
+#: The checked modes: the kernel's checks (``True``), and the synchronous host check (``"full"``).
+CHECKS = pytest.mark.parametrize("check", [True, "full"], ids=["kernel", "full"])
+
+
+def _expect(case, check):
+    """``pytest.raises`` for a checked call of ``case``: the kernel's VerifyError, or the host check's ValueError."""
+    if check == "full":
+        return pytest.raises(ValueError, match=case["match"])
+    return pytest.raises(VerifyError, match=case["kernel"])
+
+
+def _untouched_unless_kernel(out, check):
+    """The synchronous check runs before anything is written; the kernel's checks, as it runs."""
+    if check == "full":
+        assert (out == 3.0).all(), "the output was written before the check"
 
 
 def _args(case):
@@ -63,33 +94,46 @@ def _args(case):
 
 @pytest.mark.parametrize("case", TABLE, ids=IDS)
 def test_verify_attention_checked_by_default(case):
-    p, args, kwargs = _args(case)
-    with pytest.raises(ValueError, match=case["match"]):
-        verify_attention(*args, **kwargs)
-    assert (args[3] == 3.0).all(), "the output was written before the check"
+    """verify_attention's default is the kernel's checks."""
+    p, _, _ = _args(case)
+    out = p.new_output(fill=3.0)
+    with _expect(case, True):
+        verify_attention(*p.tensors(out), **p.options())
+
+
+@pytest.mark.parametrize("case", TABLE, ids=IDS)
+def test_verify_attention_checked_full(case):
+    p, _, _ = _args(case)
+    out = p.new_output(fill=3.0)
+    with _expect(case, "full"):
+        verify_attention(*p.tensors(out), **p.options(), check="full")
+    assert (out == 3.0).all(), "the output was written before the check"
 
 
 _DROP_IN = TABLE
 
 
+@CHECKS
 @pytest.mark.parametrize("case", _DROP_IN, ids=IDS)
-def test_drop_in_checked(case):
+def test_drop_in_checked(case, check):
     p, args, kwargs = _args(case)
-    with pytest.raises(ValueError, match=case["match"]):
-        verify_splitkv_fwd(*args, **kwargs, check=True)
-    assert (args[3] == 3.0).all()
+    with _expect(case, check):
+        verify_splitkv_fwd(*args, **kwargs, check=check)
+    _untouched_unless_kernel(args[3], check)
 
 
+@CHECKS
 @pytest.mark.parametrize("case", _DROP_IN, ids=IDS)
-def test_env_checked(case, monkeypatch):
-    """SPLITKV_CHECK=1 turns the check on for the drop-in (check=None) and verify_attention(check=None)."""
-    monkeypatch.setenv("SPLITKV_CHECK", "1")
+def test_env_checked(case, check, monkeypatch):
+    """SPLITKV_CHECK=1 (the kernel's checks) or =full turns the check on for the drop-in (check=None);
+    verify_attention, checked by default, does not read it."""
+    monkeypatch.setenv("SPLITKV_CHECK", "1" if check is True else "full")
     p, args, kwargs = _args(case)
-    with pytest.raises(ValueError, match=case["match"]):
-        verify_attention(*args, **kwargs, check=None)
-    with pytest.raises(ValueError, match=case["match"]):
+    with _expect(case, True):
+        verify_attention(*p.tensors(p.new_output(fill=3.0)), **p.options())
+    with _expect(case, check):
         verify_splitkv_fwd(*args, **kwargs)
-    assert (args[3] == 3.0).all()
+    _untouched_unless_kernel(args[3], check)
 
 
 def test_env_off_means_unchecked(monkeypatch):
@@ -102,23 +146,27 @@ def test_env_off_means_unchecked(monkeypatch):
 @pytest.mark.parametrize("value, on", [("1", True), ("yes", True), ("0", False), ("", False), (None, False)])
 def test_env_values(value, on, monkeypatch):
     """SPLITKV_CHECK is read as set at the call (the drop-in reads os.environ's own dict): unset, "" and "0" are off."""
-    from splitkv.api import _checking
+    from splitkv.api import _env_check
 
     if value is None:
         monkeypatch.delenv("SPLITKV_CHECK", raising=False)
     else:
         monkeypatch.setenv("SPLITKV_CHECK", value)
-    assert _checking(None) is on
-    assert _checking(False) is False and _checking(True) is True  # an explicit check= wins
+    assert _env_check() is on
+    # An explicit check= wins: slot -5 (harmless to run in-process, the slot is simply absent).
+    p, args, kwargs = _args(TABLE[3])
+    assert verify_splitkv_fwd(*args, **kwargs, check=False)
+    with _expect(TABLE[3], True):
+        verify_splitkv_fwd(*args, **kwargs, check=True)
 
 
 def test_table_is_valid_before_the_edits():
     """Each row's problem is fine without its edit (so the error comes from the edit)."""
     for case in TABLE:
         _, clean, _ = build_case(case)
-        if case["name"] in (DECLINED_BY_GATE, "drafts [1, 40], max_len_extend 24"):
+        if case["name"] in SHORT_MAX_LEN_EXTEND:
             clean = clean.replace(max_len_extend=max(clean.extend_lens))
-        out = verify_attention(*clean.args(None), **clean.kwargs())
+        out = verify_attention(*clean.tensors(None), **clean.options())
         assert torch.isfinite(out).all()
 
 
@@ -127,4 +175,5 @@ def test_unchecked_runs_stay_in_bounds():
     exit 0, guards intact, no NaN picked up, counters back at 0, and the rows the
     corruption does not reach equal to the oracle (a bad slot's key counts as absent)."""
     log = run_unchecked_in_subprocess(TABLE)
-    assert log.count("verify_attention: ran") == len(TABLE) - 1  # all but the gate-declined row launched
+    # Every row launched: the gate declines none (80 draft rows for 2 x 4 may be a sub-batch's view).
+    assert log.count("verify_attention: ran") == len(TABLE)

@@ -18,8 +18,9 @@ from conftest import (
     all_counters_zero,
     assert_matches_reference,
     concat_problems,
-    gate_args,
+    gate_call,
     last_plan,
+    plan_options,
 )
 from splitkv import VerifyPlan, VerifySplitKV, decline_reason, verify_attention, verify_splitkv_fwd
 from splitkv.testing import make_problem, reference_for, relative_error
@@ -76,7 +77,13 @@ def test_features_with_tree_and_window_offsets(one_launch):
     mask_indptr = torch.tensor(lens, device=DEVICE).cumsum(0).to(p.mask_indptr.dtype)
     p = p.replace(custom_mask=torch.cat(rows), mask_indptr=mask_indptr)
     features = dict(window_kv_offsets=offsets, sliding_window_size=MIN_SPLIT + 1, logit_cap=3.0)
-    out = verify_attention(*p.args(None), **p.kwargs(), **features, one_launch=one_launch)
+    if one_launch:
+        out = verify_attention(*p.tensors(None), **p.options(), **features)
+    else:
+        runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
+                               p.batch_size, DEVICE, one_launch=False)
+        plan = runner.plan(*p.tensors(None)[:3], *p.tensors(None)[4:], **plan_options(p), **features)
+        out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
     assert_matches_reference(out, p, **features)
 
 
@@ -125,7 +132,8 @@ def test_batch_invariant_with_features():
     outs = []
     for prob in (alone, batch):
         out = prob.new_output()
-        assert verify_splitkv_fwd(*prob.args(out), **prob.kwargs(), **features, split_tokens=128)
+        assert verify_splitkv_fwd(*prob.args(out), **prob.kwargs(), **features, split_tokens=128,
+                                  max_prefix_len=max(prob.prefix_lens))  # grids of 6 and 8 slices
         outs.append(out)
     n = alone.num_tokens
     assert torch.equal(outs[0], outs[1][-n:])
@@ -152,7 +160,7 @@ def test_logit_cap_saturates_and_stays_exact(cap, q_gain, dtype):
 @pytest.mark.parametrize("features", [dict(logit_cap=3.0), dict(sliding_window_size=50)])
 def test_return_lse_with_features(features):
     p = _problem(torch.float32)
-    out, lse = verify_attention(*p.args(None), **p.kwargs(), **features, return_lse=True)
+    out, lse = verify_attention(*p.tensors(None), **p.options(), **features, return_lse=True)
     ref, ref_lse = reference_for(p, return_lse=True, **features)
     assert relative_error(out, ref) < TOLERANCE[torch.float32]
     assert relative_error(lse, ref_lse) < TOLERANCE[torch.float32]
@@ -169,7 +177,7 @@ def test_bad_feature_values_are_malformed(bad, match):
     p = _problem(torch.float32, mask="tree")
     if "window_kv_offsets" in bad:
         bad = dict(window_kv_offsets=torch.zeros(p.batch_size + 1, dtype=torch.int32, device=DEVICE))
-    reason = decline_reason(*gate_args(p), **bad)
+    reason = gate_call(decline_reason, p, **bad)
     assert reason.startswith("malformed input") and match in reason
     with pytest.raises(ValueError, match=match):
-        verify_attention(*p.args(None), **p.kwargs(), **bad)
+        verify_attention(*p.tensors(None), **p.options(), **bad)

@@ -7,8 +7,9 @@
   an xai temperature, in a token pool or in pages of 5 or 16 tokens: the
   production entry must match the float64 oracle (global norm and worst row).
 * Corruptions of kv_indices, kv_indptr, qo_indptr and mask_indptr that are
-  invalid by construction: the checked mode must raise a ValueError naming the
-  field; unchecked, a batch of them runs in a subprocess (see test_checked.py)
+  invalid by construction: both checked modes (the kernel's, ``check=True``,
+  and the synchronous host check, ``check="full"``) must raise a ValueError
+  naming the field; unchecked, a batch of them runs in a subprocess (see test_checked.py)
   and must stay in bounds.
 
 Shapes are small and example counts low: the interpreter is slow and CI has two cores.
@@ -29,7 +30,7 @@ from conftest import (
     last_plan,
     run_unchecked_in_subprocess,
 )
-from splitkv import verify_attention, verify_splitkv_fwd
+from splitkv import VerifyError, verify_attention, verify_splitkv_fwd
 from splitkv.testing import make_problem, paged_problem, reference_for
 
 #: Longest prefix drawn: several slices under the adaptive chooser (MIN_SPLIT is 32 on the CPU).
@@ -77,7 +78,8 @@ def test_random_valid_problems(spec, split_tokens, return_lse, features, page_si
     p = make_problem(device=DEVICE, **spec)
     out = p.new_output()
     inputs = p if page_size is None else paged_problem(p, page_size, seed=spec["seed"] % 1000)
-    result = verify_attention(*inputs.args(out), **inputs.kwargs(), split_tokens=split_tokens,
+    bound = dict(max_prefix_len=max(max(p.prefix_lens), 1)) if split_tokens else {}
+    result = verify_attention(*inputs.tensors(out), **inputs.options(), split_tokens=split_tokens, **bound,
                               return_lse=return_lse, **features)
     event(f"grid slices: {last_plan().n_splits}")
     if return_lse:
@@ -93,7 +95,7 @@ def test_random_valid_problems(spec, split_tokens, return_lse, features, page_si
 
 # --- corruptions ------------------------------------------------------------------
 
-#: Corruption kind -> the field the checked mode's message must name.
+#: Corruption kind -> the field the synchronous check's message (check="full") must name.
 KINDS = {
     "slot": "kv_indices",
     "kv_indptr_decreases": "kv_indptr",
@@ -105,6 +107,15 @@ KINDS = {
     "too_many_drafts": "max_len_extend",
     "mask_indptr": "mask_indptr",
 }
+#: The same for the kernel's checks (check=True; splitkv.errors.FIELDS, which name the field, not the entry).
+#: A corrupted qo_indptr entry also lengthens a neighbouring sequence's drafts past max_len_extend, and the
+#: kernel reports one of a call's faults: either names what the corruption broke.
+_QO = r"qo_indptr|more draft tokens than max_len_extend"
+KERNEL_KINDS = {**KINDS, "kv_indptr_start": "kv_indptr", "kv_indptr_end": "kv_indptr",
+                "qo_indptr_decreases": _QO, "qo_indptr_start": _QO, "qo_indptr_end": _QO}
+#: With a tree mask, a corrupted indptr also moves a sequence's mask rows (their size follows its prefix
+#: and draft counts) past custom_mask: the kernel may report that fault of the corruption instead.
+_MASK_RUNS_OUT = "its custom_mask rows"
 
 
 @st.composite
@@ -117,7 +128,8 @@ def corrupted_cases(draw):
     mask = draw(st.sampled_from(["causal", "tree"]))
     problem = dict(prefix_lens=prefix, extend_lens=extend, num_q_heads=4, num_kv_heads=2, head_dim=16,
                    index_dtype=index_dtype, mask=mask, seed=draw(st.integers(0, 2**31 - 1)))
-    kinds = [k for k in KINDS if (k != "slot" or sum(prefix) > 0) and (k != "mask_indptr" or mask == "tree")]
+    kinds = [k for k in KINDS if (k != "slot" or sum(prefix) > 0) and (k != "mask_indptr" or mask == "tree")
+             and (k != "too_many_drafts" or max(extend) > 1)]  # one draft each fits any max_len_extend
     kind = draw(st.sampled_from(kinds))
     kv = [0]
     for n in prefix:
@@ -137,16 +149,16 @@ def corrupted_cases(draw):
     elif kind == "kv_indptr_decreases":
         kv[b] = kv[b - 1] - d
         edits = [["kv_indptr", None, kv]]
-    elif kind == "kv_indptr_start":
-        kv[0] = draw(st.sampled_from([d, -d]))
+    elif kind == "kv_indptr_start":  # negative: a positive start is a sub-batch's view, which is valid
+        kv[0] = -d
         edits = [["kv_indptr", None, kv]]
     elif kind == "kv_indptr_end":
         edits = [["kv_indptr", bs, ["kv_len", d]]]
     elif kind == "qo_indptr_decreases":
         qo[b] = qo[b - 1] - d
         edits = [["qo_indptr", None, qo]]
-    elif kind == "qo_indptr_start":
-        qo[0] = draw(st.sampled_from([d, -d]))
+    elif kind == "qo_indptr_start":  # negative, as for kv_indptr
+        qo[0] = -d
         edits = [["qo_indptr", None, qo]]
     elif kind == "qo_indptr_end":
         edits = [["qo_indptr", bs, ["tokens", d]]]
@@ -157,19 +169,24 @@ def corrupted_cases(draw):
         edits = [["mask_indptr", b - 1, draw(st.sampled_from([["abs", -d], ["mask_len", d - size]]))]]
     name = f"{kind} {problem['prefix_lens']}/{problem['extend_lens']} {index_dtype} {mask} {edits} {max_len_extend}"
     return dict(name=name, problem=problem, edits=edits, max_len_extend=max_len_extend, expect=expect,
-                match=KINDS[kind])
+                match=KINDS[kind], kernel=KERNEL_KINDS[kind] + (
+                    f"|{_MASK_RUNS_OUT}" if mask == "tree" and "indptr" in kind and kind != "mask_indptr" else ""))
 
 
 @settings(max_examples=40, **SETTINGS)
 @given(case=corrupted_cases())
 def test_corruptions_raise_when_checked(case):
     p, clean, _ = build_case(case)
+    with pytest.raises(VerifyError, match=case["kernel"]):  # checked by default: the kernel's checks
+        verify_attention(*p.tensors(p.new_output()), **p.options())
     with pytest.raises(ValueError, match=case["match"]):
-        verify_attention(*p.args(p.new_output()), **p.kwargs())
-    if p.num_tokens <= p.batch_size * p.max_len_extend:
-        # (when the gate declines, the drop-in returns False unchecked: the bug test_checked.py marks)
-        with pytest.raises(ValueError, match=case["match"]):
-            verify_splitkv_fwd(*p.args(p.new_output()), **p.kwargs(), check=True)
+        verify_attention(*p.tensors(p.new_output()), **p.options(), check="full")
+    # The gate reads shapes only (more rows than batch_size x max_len_extend may be a sub-batch's view),
+    # so the drop-in plans every case and its checks see it.
+    with pytest.raises(VerifyError, match=case["kernel"]):
+        verify_splitkv_fwd(*p.args(p.new_output()), **p.kwargs(), check=True)
+    with pytest.raises(ValueError, match=case["match"]):
+        verify_splitkv_fwd(*p.args(p.new_output()), **p.kwargs(), check="full")
 
 
 @settings(max_examples=2, **SETTINGS)

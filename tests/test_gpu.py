@@ -89,7 +89,7 @@ def _poisoned_runner(p, **kwargs):
 
 
 def _run(runner, p, out):
-    return runner(*p.args(out)[:9], p.custom_mask, p.mask_indptr, p.is_causal,
+    return runner(*p.args(out)[:9], custom_mask=p.custom_mask, mask_indptr=p.mask_indptr, is_causal=p.is_causal,
                   sm_scale=p.sm_scale, k_scale=p.k_scale, v_scale=p.v_scale, sinks=p.sinks)
 
 

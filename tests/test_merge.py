@@ -62,6 +62,14 @@ def test_oracle_parts_merge_to_the_whole(n_parts, mask):
     assert (lse.double() - ref_lse).abs().max().item() < 1e-5
 
 
+def _state(plan, sub):
+    """``(out, lse)`` of a return_lse plan on a sub-problem, into NaN-poisoned buffers."""
+    lse = torch.full((sub.num_tokens, sub.num_q_heads), float("nan"), dtype=torch.float32, device=DEVICE)
+    out = plan.run(sub.q_extend, sub.k_extend, sub.v_extend, sub.k_buffer, sub.v_buffer, out=sub.new_output(),
+                   lse=lse)
+    return out, lse
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("draft_with_last", [True, False])
 def test_kernel_parts_merge_to_the_whole(dtype, draft_with_last):
@@ -76,14 +84,12 @@ def test_kernel_parts_merge_to_the_whole(dtype, draft_with_last):
         plan = runner.plan(sub.q_extend, sub.k_extend, sub.v_extend, sub.k_buffer, sub.v_buffer, sub.qo_indptr,
                            sub.kv_indptr, sub.kv_indices, sm_scale=sub.sm_scale, return_lse=True,
                            attend_draft=draft_with_last and last)
-        states.append(plan.run(sub.q_extend, sub.k_extend, sub.v_extend, sub.k_buffer, sub.v_buffer,
-                               out=sub.new_output()))
+        states.append(_state(plan, sub))
     if not draft_with_last:
         sub = with_prefix_parts(p, [(0, 0)] * p.batch_size)
         plan = runner.plan(sub.q_extend, sub.k_extend, sub.v_extend, sub.k_buffer, sub.v_buffer, sub.qo_indptr,
                            sub.kv_indptr, sub.kv_indices, sm_scale=sub.sm_scale, return_lse=True)
-        states.append(plan.run(sub.q_extend, sub.k_extend, sub.v_extend, sub.k_buffer, sub.v_buffer,
-                               out=sub.new_output()))
+        states.append(_state(plan, sub))
     assert any(torch.isneginf(lse).any() for _, lse in states)  # some part of some sequence is empty
     v = torch.stack([o for o, _ in states], 1)
     s = torch.stack([lse for _, lse in states], 1)

@@ -275,8 +275,8 @@ def _check_against_kernel(p, pack_gqa=True, max_splits=None, monkeypatch=None, *
         runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
                                p.batch_size, DEVICE, pack_gqa=pack_gqa, **runner_kwargs)
     plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
-                       p.kv_indices, p.custom_mask, p.mask_indptr, p.is_causal, sm_scale=p.sm_scale,
-                       k_scale=p.k_scale, v_scale=p.v_scale)
+                       p.kv_indices, custom_mask=p.custom_mask, mask_indptr=p.mask_indptr, is_causal=p.is_causal,
+                       sm_scale=p.sm_scale, k_scale=p.k_scale, v_scale=p.v_scale)
     if monkeypatch is None:
         out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
         part_o, part_lse = scratch_views(runner, plan, ws)
@@ -443,16 +443,18 @@ def test_merge_programs_in_the_verify_grid_match_the_mirror(monkeypatch):
 def test_mirror_matches_the_kernel_fixed_slices(monkeypatch):
     """split_tokens=128: 300 keys -> slices of 128, 128, 44; 129 -> 128, 1; 128 and 0 -> one slice."""
     p = make_problem([300, 0, 129, 128], [2, 3, 1, 2], 4, 2, 16, dtype=torch.float32, device=DEVICE, seed=6)
-    grid = cdiv(p.kv_indices.shape[0], 128)  # the fixed-slice grid: cdiv(len(kv_indices), split_tokens)
+    grid = cdiv(300, 128)  # the fixed-slice grid: cdiv(max_prefix_len, split_tokens), the longest prefix here
     assert [n_used(n, grid, 16, split_tokens=128) for n in p.prefix_lens] == [3, 1, 2, 1]
-    plan = _check_against_kernel(p, split_tokens=128, monkeypatch=monkeypatch)
+    plan = _check_against_kernel(p, split_tokens=128, max_prefix_len=300, monkeypatch=monkeypatch)
     assert plan.n_splits == grid
 
 
 def test_fixed_slices_with_a_workspace():
     p = make_problem([300, 0, 129, 128], [2, 3, 1, 2], 4, 2, 16, dtype=torch.float32, device=DEVICE, seed=6)
-    plan = _check_against_kernel(p, split_tokens=128, max_splits=cdiv(p.kv_indices.shape[0], 128))
-    assert plan.n_splits == cdiv(p.kv_indices.shape[0], 128)
+    # A bound past the longest prefix (the batch's total keys): slices past each sequence's n_used idle.
+    bound = p.kv_indices.shape[0]
+    plan = _check_against_kernel(p, split_tokens=128, max_prefix_len=bound, max_splits=cdiv(bound, 128))
+    assert plan.n_splits == cdiv(bound, 128)
 
 
 def test_gpu_launch_is_what_the_runner_launches_on_a_gpu(monkeypatch):

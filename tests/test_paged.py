@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import DEVICE, DTYPES, MIN_SPLIT, all_counters_zero, assert_matches_reference, gate_args, last_plan
+from conftest import (DEVICE, DTYPES, MIN_SPLIT, all_counters_zero, assert_matches_reference, gate_call, last_plan,
+                      plan_options)
 from splitkv import VerifyPlan, VerifySplitKV, clear_caches, decline_reason, verify_attention, verify_splitkv_fwd
 from splitkv import runner as runner_module
 from splitkv.runner import pool_offsets_32
@@ -75,7 +76,14 @@ def test_paged_with_features_and_scales(one_launch):
     p = make_problem(PREFIXES, EXTENDS, 4, 1, 32, dtype=torch.float32, device=DEVICE, seed=4, mask="chain",
                      k_scale=0.5, v_scale=2.0, index_dtype=torch.int32, fused_qkv=True)
     pp = paged_problem(p, 16, seed=2)
-    out, lse = verify_attention(*pp.args(None), **pp.kwargs(), **features, return_lse=True, one_launch=one_launch)
+    if one_launch:
+        out, lse = verify_attention(*pp.tensors(None), **pp.options(), **features, return_lse=True)
+    else:
+        runner = VerifySplitKV(4, 1, 32, 32, p.max_len_extend, p.batch_size, DEVICE, one_launch=False)
+        t = pp.tensors(None)
+        plan = runner.plan(*t[:3], *t[4:], **plan_options(pp), **features, return_lse=True)
+        lse = torch.full((p.num_tokens, p.num_q_heads), float("nan"), dtype=torch.float32, device=DEVICE)
+        out = plan.run(t[0], t[1], t[2], t[4], t[5], out=p.new_output(), lse=lse)
     assert_matches_reference(out, p, **features)
     from splitkv.testing import reference_for, relative_error
 
@@ -112,10 +120,10 @@ def test_paged_fallback_runs_the_baseline_on_the_token_view():
     """A call the split path declines (custom mask on the prefix) still works on a paged pool."""
     p = make_problem([54, 97], 3, 4, 2, 32, dtype=torch.float32, device=DEVICE, seed=6, mask="tree")
     pp = paged_problem(p, 16, seed=3)
-    kw = dict(pp.kwargs(), skip_prefix_custom_mask=False)
-    assert decline_reason(*gate_args(pp), skip_prefix_custom_mask=False,
-                          kv_last_page_len=pp.kv_last_page_len).startswith("custom mask")
-    out = verify_attention(*pp.args(None), **kw)
+    kw = dict(pp.options(), skip_prefix_custom_mask=False)
+    assert gate_call(decline_reason, pp, skip_prefix_custom_mask=False,
+                     kv_last_page_len=pp.kv_last_page_len).startswith("custom mask")
+    out = verify_attention(*pp.tensors(None), **kw)
     assert_matches_reference(out, p, skip_prefix_custom_mask=False)
 
 
@@ -146,12 +154,14 @@ BAD_PAGED = {
 
 @pytest.mark.parametrize("case", list(BAD_PAGED))
 def test_bad_paged_calls(case):
-    """Checked, every case raises naming the field; unchecked, value corruptions run without a crash
-    (the kernel clamps: nothing outside the pages is read) and shape errors are declined."""
+    """Checked (by the kernel, the default, and by the host, check="full"), every case raises naming the
+    field; unchecked, value corruptions run without a crash (the kernel clamps: nothing outside the
+    pages is read) and shape errors are declined."""
     field, edit, match, shape = BAD_PAGED[case]
     p = make_problem([54, 97], 3, 4, 2, 32, dtype=torch.float32, device=DEVICE, seed=7)
     pp = _with(paged_problem(p, 16, seed=4), field, edit)
-    with pytest.raises(ValueError, match=match):
-        verify_attention(*pp.args(None), **pp.kwargs())
+    for check in (True, "full"):
+        with pytest.raises(ValueError, match=match):
+            verify_attention(*pp.tensors(None), **pp.options(), check=check)
     out = p.new_output()
     assert verify_splitkv_fwd(*pp.args(out), **pp.kwargs(), check=False) is not shape

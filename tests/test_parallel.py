@@ -194,9 +194,11 @@ def test_the_global_mask_is_wrong_for_a_shard():
     lp = shard_problem(p, 2, 1, "chunk")
     runner = VerifySplitKV(4, 2, 32, 32, 6, 2, "cpu")
     ref = reference_for(lp)  # the local keys and the drafts, under the tree
-    good = runner(*lp.args(lp.new_output())[:9], lp.custom_mask, lp.mask_indptr, True, sm_scale=lp.sm_scale)
+    good = runner(*lp.args(lp.new_output())[:9], custom_mask=lp.custom_mask, mask_indptr=lp.mask_indptr,
+                  is_causal=True, sm_scale=lp.sm_scale)
     assert_close(good, ref, torch.float32)
-    bad = runner(*lp.args(lp.new_output())[:9], p.custom_mask, p.mask_indptr, True, sm_scale=lp.sm_scale)
+    bad = runner(*lp.args(lp.new_output())[:9], custom_mask=p.custom_mask, mask_indptr=p.mask_indptr,
+                 is_causal=True, sm_scale=lp.sm_scale)
     assert relative_error(bad, ref) > 1e-2
 
 
@@ -277,14 +279,14 @@ def test_world_of_one_paged_with_logit_cap():
     cap = 4.0
     cp = ContextParallelVerify(4, 2, 32, 32, 4, 3, "cpu", n_splits=3)
     plan = cp.plan(p.q_extend, p.k_extend, p.v_extend, pp.k_pages, pp.v_pages, p.qo_indptr, pp.kv_indptr,
-                   pp.kv_indices, p.custom_mask, p.mask_indptr, p.is_causal, sm_scale=p.sm_scale, sinks=p.sinks,
-                   logit_cap=cap, kv_last_page_len=pp.kv_last_page_len, check=True)
+                   pp.kv_indices, custom_mask=p.custom_mask, mask_indptr=p.mask_indptr, is_causal=p.is_causal,
+                   sm_scale=p.sm_scale, sinks=p.sinks, logit_cap=cap, kv_last_page_len=pp.kv_last_page_len,
+                   check=True)
     out = plan.run(p.q_extend, p.k_extend, p.v_extend, pp.k_pages, pp.v_pages)
     assert_close(out, reference_for(p, logit_cap=cap), torch.float32)
     for seed in (3, 4):  # the second call reuses the cached plan with another page table
         pp = paged_problem(p, 16, seed=seed)
-        got = cp_verify_attention(*pp.args(p.new_output()), sm_scale=p.sm_scale, sinks=p.sinks, logit_cap=cap,
-                                  kv_last_page_len=pp.kv_last_page_len, check=True)
+        got = cp_verify_attention(*pp.tensors(p.new_output()), **pp.options(), logit_cap=cap, check=True)
         assert_close(got, reference_for(p, logit_cap=cap), torch.float32)
 
 
@@ -294,7 +296,7 @@ def test_shard_paged_problem_is_a_paged_problem():
     pp = paged_problem(p, 8, seed=1)
     local = shard_paged_problem(pp, 2, 1, "chunk")
     assert local.problem.prefix_lens == [50 - 24, 17 - 8]  # pages [3, 7) and [1, 3) of 7 and 3
-    out = verify_attention(*local.args(local.problem.new_output()), **local.kwargs())
+    out = verify_attention(*local.tensors(local.problem.new_output()), **local.options())
     assert_close(out, reference_for(local.problem.replace(k_buffer=p.k_buffer, v_buffer=p.v_buffer,
                                                           kv_indptr=_token_indptr(p, local.problem.prefix_lens),
                                                           kv_indices=_tail_slots(p, local.problem.prefix_lens))),
@@ -318,13 +320,14 @@ def test_world_of_one_without_distributed():
     cp = ContextParallelVerify(4, 2, 32, 32, 4, 2, "cpu")
     assert (cp.rank, cp.world_size, cp.merges, cp.owns_draft) == (0, 1, True, True)
     plan = cp.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
-                   p.kv_indices, p.custom_mask, p.mask_indptr, p.is_causal, sm_scale=p.sm_scale, sinks=p.sinks,
-                   return_lse=True)
-    out, lse = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer)
-    want, want_lse = verify_attention(*p.args(p.new_output()), **p.kwargs(), return_lse=True)
+                   p.kv_indices, custom_mask=p.custom_mask, mask_indptr=p.mask_indptr, is_causal=p.is_causal,
+                   sm_scale=p.sm_scale, sinks=p.sinks, return_lse=True)
+    lse = torch.empty(plan.out_shape[:2], dtype=torch.float32)
+    out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, lse=lse)
+    want, want_lse = verify_attention(*p.tensors(p.new_output()), **p.options(), return_lse=True)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)  # the plain split path, same kernel
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
-    got = cp_verify_attention(*p.args(p.new_output()), sm_scale=p.sm_scale, sinks=p.sinks)
+    got = cp_verify_attention(*p.tensors(p.new_output()), **p.options())
     assert_close(got, reference_for(p), torch.float32)
 
 
@@ -489,13 +492,14 @@ def test_gpu_bf16_parity_long_prefixes(nccl, name):
                                p.batch_size, "cuda", draft_rank=case.get("draft_rank", 0), dst=dst,
                                partial_dtype=case.get("partial_dtype"))
     plan = cp.plan(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer, lp.qo_indptr, lp.kv_indptr,
-                   lp.kv_indices, lp.custom_mask, lp.mask_indptr, lp.is_causal, sm_scale=lp.sm_scale,
-                   sinks=lp.sinks, return_lse=True, check=True)
-    res = plan.run(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer, out=lp.new_output())
+                   lp.kv_indices, custom_mask=lp.custom_mask, mask_indptr=lp.mask_indptr, is_causal=lp.is_causal,
+                   sm_scale=lp.sm_scale, sinks=lp.sinks, return_lse=True, check=True)
+    lse = torch.empty(plan.out_shape[:2], dtype=torch.float32, device="cuda") if plan.merges else None
+    res = plan.run(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer, out=lp.new_output(), lse=lse)
     torch.cuda.synchronize()
     del lp
     if plan.merges:
-        ok, msg = _merged_matches(*res, p, rank)
+        ok, msg = _merged_matches(res, lse, p, rank)
         print(msg)
     else:
         ok, msg = res is None, f"rank {rank} does not merge but returned {type(res)}"
@@ -516,14 +520,14 @@ def test_gpu_graph_capture_and_replay(nccl, entry):
         cp = ContextParallelVerify(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
                                    p.batch_size, "cuda")
         plan = cp.plan(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer, lp.qo_indptr,
-                       lp.kv_indptr, lp.kv_indices, lp.custom_mask, lp.mask_indptr, lp.is_causal,
-                       sm_scale=lp.sm_scale)
+                       lp.kv_indptr, lp.kv_indices, custom_mask=lp.custom_mask, mask_indptr=lp.mask_indptr,
+                       is_causal=lp.is_causal, sm_scale=lp.sm_scale)
 
         def step():
             plan.run(lp.q_extend, lp.k_extend, lp.v_extend, lp.k_buffer, lp.v_buffer, out=out)
     else:
         def step():
-            cp_verify_attention(*lp.args(out), sm_scale=lp.sm_scale, max_bs=8)
+            cp_verify_attention(*lp.tensors(out), **lp.options(), max_bs=8)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -571,11 +575,12 @@ def test_gpu_paged_pool_with_logit_cap(nccl, page_size, mode, block):
     cp = ContextParallelVerify(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
                                p.batch_size, "cuda")
     plan = cp.plan(lp.q_extend, lp.k_extend, lp.v_extend, local.k_pages, local.v_pages, lp.qo_indptr,
-                   local.kv_indptr, local.kv_indices, lp.custom_mask, lp.mask_indptr, lp.is_causal,
-                   sm_scale=lp.sm_scale, sinks=lp.sinks, logit_cap=cap, kv_last_page_len=local.kv_last_page_len,
-                   return_lse=True, check=True)
-    out, lse = plan.run(lp.q_extend, lp.k_extend, lp.v_extend, local.k_pages, local.v_pages,
-                        out=torch.full_like(lp.new_output(), float("nan")))
+                   local.kv_indptr, local.kv_indices, custom_mask=lp.custom_mask, mask_indptr=lp.mask_indptr,
+                   is_causal=lp.is_causal, sm_scale=lp.sm_scale, sinks=lp.sinks, logit_cap=cap,
+                   kv_last_page_len=local.kv_last_page_len, return_lse=True, check=True)
+    lse = torch.empty(plan.out_shape[:2], dtype=torch.float32, device="cuda")
+    out = plan.run(lp.q_extend, lp.k_extend, lp.v_extend, local.k_pages, local.v_pages,
+                   out=torch.full_like(lp.new_output(), float("nan")), lse=lse)
     torch.cuda.synchronize()
     ok, msg = _merged_matches(out, lse, p, rank, logit_cap=cap)
     print(msg)

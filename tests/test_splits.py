@@ -93,7 +93,7 @@ def test_bounds(bs, tiles, prefix):
 
 
 def test_fixed_slices():
-    # cdiv(len(kv_indices), split_tokens), at least 1
+    # cdiv(max_prefix_len, split_tokens), at least 1
     assert fixed_n_splits(0, 128) == 1
     assert fixed_n_splits(128, 128) == 1
     assert fixed_n_splits(129, 128) == 2

@@ -5,6 +5,10 @@ stand-in sweep, and the committed table against the models it must cover.
 """
 
 import json
+import warnings
+
+import pytest
+import torch
 
 from splitkv import tune, tuning
 from splitkv.bench_breadth import PAGE_SIZES
@@ -115,3 +119,41 @@ def test_paged_only_replaces_one_pool_dtypes_paged_rows(tmp_path, monkeypatch):
         [r for r in table["paged_tile_sweep"] if r["kv_dtype"] != "bfloat16"]
     for key in ("tiles", "tile_sweep", "min_split_tokens", "small_batch_tiles", "split_sweep"):
         assert new[key] == table[key]
+
+
+def test_the_sweep_writes_a_new_file_unless_told_to_replace():
+    """By default ``tuned_<gpu>.json`` in the working directory; the package's table only with --replace."""
+    parse = tune._parser().parse_args
+    assert tune.out_path(parse([]), "NVIDIA A100-SXM4-80GB") == "tuned_a100.json"
+    assert tune.out_path(parse([]), "NVIDIA H200") == "tuned_h200.json" != tuning.TABLE_PATH
+    assert tune.out_path(parse(["--out", "t.json"]), "NVIDIA H200") == "t.json"
+    assert tune.out_path(parse(["--replace", "--small-batch"]), "NVIDIA H200") == tuning.TABLE_PATH
+    with pytest.raises(SystemExit):
+        parse(["--out", "t.json", "--replace"])
+
+
+def test_a_partial_sweep_updates_the_output_file_or_the_packages_table(tmp_path):
+    assert tune.base_path(str(tmp_path / "new.json")) == tuning.TABLE_PATH
+    existing = tmp_path / "tuned_a100.json"
+    existing.write_text("{}")
+    assert tune.base_path(str(existing)) == str(existing)
+
+
+@pytest.mark.parametrize("interpreting, name, warns", [(False, "NVIDIA A100-SXM4-80GB", True),
+                                                       (False, "NVIDIA H200", False),
+                                                       (True, "NVIDIA A100-SXM4-80GB", False)])
+def test_a_gpu_without_a_tuned_table_gets_one_notice(monkeypatch, interpreting, name, warns):
+    """The table's entries serve as defaults; one warning line, once per process, says how to tune."""
+    monkeypatch.setattr(tuning, "_untuned_checked", False)
+    monkeypatch.setattr(tuning, "interpreting", lambda: interpreting)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = [tuning._tile_row(128, 16, 2, 1) for _ in range(3)]
+    assert all(r is rows[0] for r in rows)
+    notices = [w for w in caught if "splitkv.tune" in str(w.message)]
+    assert len(notices) == (1 if warns else 0)
+    if warns:
+        text = str(notices[0].message)
+        assert "\n" not in text and name in text and "python -m splitkv.tune --replace" in text

@@ -21,12 +21,13 @@ from conftest import (
     assert_close,
     assert_matches_reference,
     concat_problems,
-    gate_args,
+    gate_call,
     last_plan,
     poisoned_workspace_runner,
     prefix_only_mask,
 )
 from splitkv import (
+    VerifyError,
     VerifyPlan,
     VerifySplitKV,
     can_handle,
@@ -61,8 +62,8 @@ def run_runner(problem, n_splits, pack_gqa=True, poison_scratch=True):
     out = p.new_output()
     runner(
         p.q_extend, p.k_extend, p.v_extend, out, p.k_buffer, p.v_buffer,
-        p.qo_indptr, p.kv_indptr, p.kv_indices, p.custom_mask, p.mask_indptr, p.is_causal,
-        sm_scale=p.sm_scale, k_scale=p.k_scale, v_scale=p.v_scale, sinks=p.sinks,
+        p.qo_indptr, p.kv_indptr, p.kv_indices, custom_mask=p.custom_mask, mask_indptr=p.mask_indptr,
+        is_causal=p.is_causal, sm_scale=p.sm_scale, k_scale=p.k_scale, v_scale=p.v_scale, sinks=p.sinks,
     )
     assert all_counters_zero()
     return out
@@ -71,8 +72,15 @@ def run_runner(problem, n_splits, pack_gqa=True, poison_scratch=True):
 def plan_of(runner, p, **kwargs):
     """``runner.plan`` for a problem's tensors."""
     return runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
-                       p.kv_indices, p.custom_mask, p.mask_indptr, p.is_causal, sm_scale=p.sm_scale,
-                       k_scale=p.k_scale, v_scale=p.v_scale, sinks=p.sinks, **kwargs)
+                       p.kv_indices, custom_mask=p.custom_mask, mask_indptr=p.mask_indptr, is_causal=p.is_causal,
+                       sm_scale=p.sm_scale, k_scale=p.k_scale, v_scale=p.v_scale, sinks=p.sinks, **kwargs)
+
+
+def run_with_lse(plan, p):
+    """``(out, lse)`` of a ``return_lse`` plan run on a problem's tensors, into NaN-poisoned buffers."""
+    lse = torch.full((p.num_tokens, p.num_q_heads), float("nan"), dtype=torch.float32, device=DEVICE)
+    out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output(), lse=lse)
+    return out, lse
 
 
 def slices_used(plan, p):
@@ -131,7 +139,7 @@ def test_empty_pool():
     p = p.replace(k_buffer=p.k_buffer[:0], v_buffer=p.v_buffer[:0])
     assert_matches_reference(run_split(p), p)
     assert_matches_reference(run_runner(p, 4), p)
-    assert_matches_reference(verify_attention(*p.args(None), **p.kwargs()), p)
+    assert_matches_reference(verify_attention(*p.tensors(None), **p.options()), p)
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
@@ -179,8 +187,8 @@ def test_k_tile_layouts(k_rows, page_size, dtype):
         pp = paged_problem(p, page_size, seed=6)
         kb, vb, kv_indptr, kv_indices, last = pp.k_pages, pp.v_pages, pp.kv_indptr, pp.kv_indices, pp.kv_last_page_len
     plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, kb, vb, p.qo_indptr, kv_indptr, kv_indices,
-                       p.custom_mask, p.mask_indptr, p.is_causal, sm_scale=p.sm_scale, sinks=p.sinks,
-                       kv_last_page_len=last)
+                       custom_mask=p.custom_mask, mask_indptr=p.mask_indptr, is_causal=p.is_causal,
+                       sm_scale=p.sm_scale, sinks=p.sinks, kv_last_page_len=last)
     assert plan.config.k_rows is k_rows
     out = plan.run(p.q_extend, p.k_extend, p.v_extend, kb, vb, out=p.new_output())
     assert_matches_reference(out, p)
@@ -237,7 +245,8 @@ def test_workspace_serves_every_batch_up_to_max_bs():
     for prefix_lens in ([54], [97, 3], [1, 54, 0]):
         p = make_problem(prefix_lens, 4, 4, 2, 32, device=DEVICE)
         out = p.new_output()
-        runner(*p.args(out)[:9], p.custom_mask, p.mask_indptr, p.is_causal, sm_scale=p.sm_scale)
+        runner(*p.args(out)[:9], custom_mask=p.custom_mask, mask_indptr=p.mask_indptr, is_causal=p.is_causal,
+               sm_scale=p.sm_scale)
         assert_matches_reference(out, p)
         assert all_counters_zero() and int(torch.count_nonzero(runner._ws_counters)) == 0
     p = make_problem([5] * 4, 4, 4, 2, 32, device=DEVICE)
@@ -255,24 +264,31 @@ def test_workspace_too_small_is_refused():
 
 
 def _meta_args(bs, h_q, h_kv, d, kv_len, L=4):
+    """``(tensors, keywords)`` of the gate for meta tensors of these shapes."""
     meta = lambda *shape, dtype=torch.float16: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
-    return (meta(bs * L, h_q, d), meta(bs * L, h_kv, d), meta(bs * L, h_kv, d), meta(1, h_kv, d), meta(1, h_kv, d),
-            meta(bs + 1, dtype=torch.int32), meta(bs + 1, dtype=torch.int32), meta(kv_len, dtype=torch.int64),
-            None, True, None, L)
+    return ((meta(bs * L, h_q, d), meta(bs * L, h_kv, d), meta(bs * L, h_kv, d), meta(1, h_kv, d), meta(1, h_kv, d),
+             meta(bs + 1, dtype=torch.int32), meta(bs + 1, dtype=torch.int32), meta(kv_len, dtype=torch.int64)),
+            dict(custom_mask=None, is_causal=True, mask_indptr=None, max_len_extend=L))
+
+
+def _meta_reason(bs, h_q, h_kv, d, kv_len, L=4, **options):
+    """``decline_reason`` for :func:`_meta_args`' meta tensors, with ``options``."""
+    args, kwargs = _meta_args(bs, h_q, h_kv, d, kv_len, L=L)
+    return decline_reason(*args, **kwargs, **options)
 
 
 def test_launch_limits_declined():
     """Grids past CUDA's limits are declined from shapes alone (meta tensors: no memory, no values)."""
-    ok = _meta_args(2, 4, 2, 32, 1000)
-    assert decline_reason(*ok) is None
-    assert decline_reason(*_meta_args(2, 4, 2, 32, 2**31)).startswith("launch limit")  # 32-bit positions
-    # Fixed slices: cdiv(kv_len, 128) > 65535 slices on grid axis 1.
-    assert decline_reason(*_meta_args(2, 4, 2, 32, 128 * 65535 + 1), split_tokens=128).startswith("launch limit")
-    assert decline_reason(*_meta_args(2, 4, 2, 32, 128 * 65535), split_tokens=128) is None
+    assert _meta_reason(2, 4, 2, 32, 1000) is None
+    assert _meta_reason(2, 4, 2, 32, 2**31).startswith("launch limit")  # 32-bit positions
+    # Fixed slices: cdiv(max_prefix_len, 128) > 65535 slices on grid axis 1.
+    assert _meta_reason(2, 4, 2, 32, 128 * 65535 + 1, split_tokens=128,
+                        max_prefix_len=128 * 65535 + 1).startswith("launch limit")
+    assert _meta_reason(2, 4, 2, 32, 128 * 65535, split_tokens=128, max_prefix_len=128 * 65535) is None
     # Tiles on axis 0: 64 KV heads x 1 row block x 2^25 sequences = 2^31.
-    assert decline_reason(*_meta_args(2, 64, 64, 32, 1000, L=1), max_bs=2**25).startswith("launch limit")
-    assert decline_reason(*_meta_args(2, 64, 64, 32, 1000, L=1), max_bs=2**25 - 1) is None
-    assert "multiple of 128" in decline_reason(*ok, split_tokens=100)
+    assert _meta_reason(2, 64, 64, 32, 1000, L=1, max_bs=2**25).startswith("launch limit")
+    assert _meta_reason(2, 64, 64, 32, 1000, L=1, max_bs=2**25 - 1) is None
+    assert "multiple of 128" in _meta_reason(2, 4, 2, 32, 1000, split_tokens=100, max_prefix_len=1000)
 
 
 def test_drop_in_reuses_one_runner_per_shape():
@@ -407,13 +423,18 @@ def test_prefix_custom_mask_declined():
 
 
 def test_max_len_extend_contract():
-    """Larger than the real extend is served (ragged); too small is declined."""
+    """Larger than the real extend is served (ragged); too small is refused by the checked kernel;
+    outside [1, 64] is declined."""
     p = make_problem([54, 33], 4, 4, 2, 32, device=DEVICE)
     out = run_split(p.replace(max_len_extend=5))
     assert_matches_reference(out, p)
-    assert not can_handle(*gate_args(p.replace(max_len_extend=3)))
-    assert not can_handle(*gate_args(p.replace(max_len_extend=0)))
-    assert not can_handle(*gate_args(p.replace(max_len_extend=65)))
+    # Too small for the drafts: the gate reads shapes only, and 8 draft rows for 2 sequences of at most 3
+    # may be a sub-batch's view of longer tensors, so the checked kernel is what refuses it.
+    short = p.replace(max_len_extend=3)
+    with pytest.raises(VerifyError, match="more draft tokens than max_len_extend"):
+        verify_splitkv_fwd(*short.args(short.new_output()), **short.kwargs(), check=True)
+    assert not gate_call(can_handle, p.replace(max_len_extend=0))
+    assert not gate_call(can_handle, p.replace(max_len_extend=65))
 
 
 @pytest.mark.parametrize(
@@ -439,9 +460,9 @@ def test_malformed_input(breakage):
     elif breakage == "rank":
         p = p.replace(q_extend=p.q_extend.flatten(1))
     with pytest.raises(ValueError):
-        verify_attention(*p.args(out), **p.kwargs())
+        verify_attention(*p.tensors(out), **p.options())
     assert not verify_splitkv_fwd(*p.args(out), **p.kwargs())
-    assert decline_reason(*gate_args(p), o_extend=out).startswith("malformed")
+    assert gate_call(decline_reason, p, o_extend=out).startswith("malformed")
 
 
 def test_gate_reads_no_values():
@@ -452,7 +473,7 @@ def test_gate_reads_no_values():
         for name in ("q_extend", "k_extend", "v_extend", "k_buffer", "v_buffer", "qo_indptr",
                      "kv_indptr", "kv_indices", "custom_mask", "mask_indptr", "sinks")
     })
-    assert can_handle(*gate_args(meta), sinks=meta.sinks)
+    assert gate_call(can_handle, meta, sinks=meta.sinks)
 
 
 # --- the production entry --------------------------------------------------
@@ -460,16 +481,16 @@ def test_gate_reads_no_values():
 @pytest.mark.parametrize("features", [{}, {"logit_cap": 5.0}, {"sliding_window_size": 40}])
 def test_verify_attention_is_always_right(features):
     p = make_problem([54, 97], 4, 4, 2, 32, device=DEVICE)
-    out = verify_attention(*p.args(None), **p.kwargs(), **features)
+    out = verify_attention(*p.tensors(None), **p.options(), **features)
     assert_matches_reference(out, p, **features)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's bf16 limit")
 def test_bf16_under_the_interpreter_is_refused_not_wrong():
     p = make_problem([54], 4, 4, 2, 32, dtype=torch.bfloat16, device=DEVICE)
-    assert decline_reason(*gate_args(p)).startswith("bfloat16")
+    assert gate_call(decline_reason, p).startswith("bfloat16")
     with pytest.raises(NotImplementedError, match="bfloat16"):
-        verify_attention(*p.args(None), **p.kwargs())
+        verify_attention(*p.tensors(None), **p.options())
 
 
 # --- the production path with several slices per sequence ---------------------
@@ -519,7 +540,7 @@ def test_production_path_several_slices(feature, dtype):
     assert untouched_outside(backing, p)
     assert all_counters_zero()
     backing2, out2 = strided_output(p)
-    got = verify_attention(*p.args(out2), **p.kwargs())
+    got = verify_attention(*p.tensors(out2), **p.options())
     assert got is out2 and torch.equal(out2, out)  # the same plan, the same bits
     assert untouched_outside(backing2, p) and all_counters_zero()
 
@@ -530,14 +551,16 @@ def test_merge_programs_with_every_feature(feature):
     merge programs in the verify grid: oracle parity with every feature, the LSE too, the bits of
     the second launch, and every counter (tiles, ticket, exit count) back at zero."""
     p = make_problem(SLICED, SLICED_EXT, 8, 1, 32, dtype=torch.float32, device=DEVICE, seed=17, **FEATURES[feature])
-    out, lse = verify_attention(*p.args(p.new_output()), **p.kwargs(), return_lse=True)
+    out, lse = verify_attention(*p.tensors(p.new_output()), **p.options(), return_lse=True)
     plan = last_plan()
     assert plan.merge == MERGE_PROGRAMS and plan.fused and max(slices_used(plan, p)) >= 2
     assert plan.grid[1] > plan.n_splits  # the merge programs follow the slices on axis 1
     assert_matches_reference(out, p)
     assert all_counters_zero()
-    spread_o, spread_lse = verify_attention(*p.args(p.new_output()), **p.kwargs(), return_lse=True, one_launch=False)
-    assert last_plan().merge == SEPARATE_MERGE
+    spread = plan_of(VerifySplitKV(8, 1, 32, 32, p.max_len_extend, p.batch_size, DEVICE, one_launch=False), p,
+                     return_lse=True)
+    assert spread.merge == SEPARATE_MERGE and spread.n_splits == plan.n_splits
+    spread_o, spread_lse = run_with_lse(spread, p)
     assert torch.equal(spread_o, out) and torch.equal(spread_lse, lse)
 
 
@@ -584,14 +607,17 @@ def test_fixed_slices_batch_invariant():
     """split_tokens=128: a sequence's output is bitwise the same alone and inside batches of 7 and 64
     (other sequences of other lengths, various max_bs)."""
     target = make_problem([300], [3], 2, 1, 16, device=DEVICE, seed=21).replace(max_len_extend=4)
-    alone = run_split(target, split_tokens=128)
+    alone = run_split(target, split_tokens=128, max_prefix_len=300)
     assert_matches_reference(alone, target)
     assert last_plan().n_splits == 3 and slices_used(last_plan(), target) == [3]  # 128 + 128 + 44 keys
-    for size, position, max_bs in [(7, 3, None), (7, 0, 64), (64, 40, 64), (64, 63, 100)]:
+    # Bounds past the longest prefix give larger grids (cdiv(max_prefix_len, 128) slices), the same bits.
+    for size, position, max_bs, bound in [(7, 3, None, 300), (7, 0, 64, 512), (64, 40, 64, 300),
+                                          (64, 63, 100, 2048)]:
         batch = _invariance_batch(target, position, size, seed=size + position)
-        out = run_split(batch, split_tokens=128, max_bs=max_bs)
+        out = run_split(batch, split_tokens=128, max_prefix_len=bound, max_bs=max_bs)
+        assert last_plan().n_splits == -(-bound // 128)
         q0 = batch.qo_indptr[position].item()
-        assert torch.equal(out[q0: q0 + 3], alone), (size, position, max_bs)
+        assert torch.equal(out[q0: q0 + 3], alone), (size, position, max_bs, bound)
         assert all_counters_zero()
     assert_matches_reference(out, batch)
 
@@ -601,7 +627,7 @@ def test_fixed_slices_batch_invariant():
 def test_return_lse_matches_oracle(dtype, sinks):
     p = make_problem(SLICED, [3, 1, 2, 4], 4, 1, 32, dtype=dtype, sinks=sinks, mask="tree", device=DEVICE,
                      seed=31)
-    out, lse = verify_attention(*p.args(p.new_output()), **p.kwargs(), return_lse=True)
+    out, lse = verify_attention(*p.tensors(p.new_output()), **p.options(), return_lse=True)
     assert max(slices_used(last_plan(), p)) >= 2
     ref_o, ref_lse = reference_for(p, return_lse=True)
     assert_close(out, ref_o, dtype)
@@ -609,8 +635,7 @@ def test_return_lse_matches_oracle(dtype, sinks):
     assert (lse.double() - ref_lse).abs().max().item() < (1e-4 if dtype == torch.float32 else 2e-3)
     # The runner's plan gives the same state, with a forced grid and poisoned partials.
     runner, _ = poisoned_workspace_runner(p, n_splits=5)
-    o2, lse2 = plan_of(runner, p, return_lse=True).run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer,
-                                                      p.v_buffer, out=p.new_output())
+    o2, lse2 = run_with_lse(plan_of(runner, p, return_lse=True), p)
     assert_close(o2, ref_o, dtype)
     assert (lse2.double() - ref_lse).abs().max().item() < (1e-4 if dtype == torch.float32 else 2e-3)
     assert all_counters_zero()
@@ -634,7 +659,7 @@ def test_prefix_only(sinks, n_splits):
         runner, _ = poisoned_workspace_runner(p, n_splits=n_splits)
     plan = plan_of(runner, p, return_lse=True, attend_draft=False)
     assert max(slices_used(plan, p)) >= 2
-    out, lse = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    out, lse = run_with_lse(plan, p)
     ref_o, ref_lse = prefix_only_reference(p)
     empty = torch.zeros(p.num_tokens, dtype=torch.bool, device=DEVICE)
     empty[p.qo_indptr[1]: p.qo_indptr[2]] = True  # sequence 1 has no prefix
@@ -650,10 +675,10 @@ def test_prefix_only(sinks, n_splits):
 
 def test_repeated_calls_bitwise_identical():
     p = make_problem(SLICED, SLICED_EXT, 4, 1, 32, mask="tree", sinks=True, device=DEVICE, seed=51)
-    first = verify_attention(*p.args(p.new_output()), **p.kwargs())
+    first = verify_attention(*p.tensors(p.new_output()), **p.options())
     assert max(slices_used(last_plan(), p)) >= 2
     for _ in range(3):
-        assert torch.equal(verify_attention(*p.args(p.new_output()), **p.kwargs()), first)
+        assert torch.equal(verify_attention(*p.tensors(p.new_output()), **p.options()), first)
         assert torch.equal(run_split(p), first)
     assert all_counters_zero()
 
@@ -685,7 +710,7 @@ def test_merge_path_and_shape_invariant_bits(monkeypatch):
             assert plan.merge == expect and plan.fused == one_launch and max(slices_used(plan, p)) >= 2
             if expect == MERGE_PROGRAMS:
                 assert plan.grid[1] == 5 + runner_module.merge_chunks(5, plan.config.block_m, 32)
-            return plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+            return run_with_lse(plan, p)
 
     last_o, last_lse = run(True, LAST_PROGRAM)
     assert_matches_reference(last_o, p)
@@ -723,8 +748,8 @@ def test_counters_back_to_zero_after_every_call():
     p = make_problem(SLICED, SLICED_EXT, 4, 1, 32, device=DEVICE, seed=71)
     calls = [
         lambda: run_split(p),
-        lambda: run_split(p, split_tokens=128),
-        lambda: verify_attention(*p.args(None), **p.kwargs(), return_lse=True),
+        lambda: run_split(p, split_tokens=128, max_prefix_len=max(p.prefix_lens)),
+        lambda: verify_attention(*p.tensors(None), **p.options(), return_lse=True),
         lambda: run_runner(p, 7),
         lambda: plan_of(VerifySplitKV(4, 1, 32, 32, 4, 5, DEVICE), p, attend_draft=False).run(
             p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer),
@@ -785,10 +810,14 @@ def test_counters_for_a_stream_first_seen_inside_a_capture(monkeypatch):
     arena = next(iter(runner_mod._ARENAS.values()))[0]
     monkeypatch.setattr(runner_mod, "_COUNTERS", {})  # a stream never seen before...
     monkeypatch.setattr(runner_mod, "_capturing", lambda device: True)  # ...inside a capture
+    # A captured launch's counters are its own slice, kept in no per-stream table: catch what it was given.
+    handed, real_counters = [], runner_mod.counters
+    monkeypatch.setattr(runner_mod, "counters", lambda *a, **k: handed.append(real_counters(*a, **k)) or handed[-1])
     pl = plan()
     out = pl.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer)
     assert pl.fused, "a slice of the zeroed arena serves the new stream"
-    arr = next(iter(runner_mod._COUNTERS.values()))
+    assert handed and handed[-1] is not None
+    arr = handed[-1]
     assert arr.data_ptr() != arena.data_ptr() and arr.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
     assert int(arr.count_nonzero()) == 0
     assert_matches_reference(out, p)
@@ -806,7 +835,12 @@ def test_nan_in_a_visible_pool_row_propagates(where, one_launch):
     pool = (p.k_buffer if where == "k" else p.v_buffer).clone()
     pool[slot, 1] = float("nan")  # KV head 1
     q = p.replace(k_buffer=pool) if where == "k" else p.replace(v_buffer=pool)
-    out = verify_attention(*q.args(None), **q.kwargs(), one_launch=one_launch)
+    if one_launch:
+        out = verify_attention(*q.tensors(None), **q.options())
+    else:
+        spread = plan_of(VerifySplitKV(4, 2, 32, 32, q.max_len_extend, q.batch_size, DEVICE, one_launch=False), q)
+        assert spread.merge == SEPARATE_MERGE
+        out = spread.run(q.q_extend, q.k_extend, q.v_extend, q.k_buffer, q.v_buffer, out=q.new_output())
     rows = slice(int(p.qo_indptr[bad_seq]), int(p.qo_indptr[bad_seq + 1]))
     assert torch.isnan(out[rows, 2:]).all()  # query heads 2, 3 read KV head 1
     good = torch.ones(out.shape[0], dtype=torch.bool)

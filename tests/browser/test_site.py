@@ -72,7 +72,7 @@ NOTEBOOKS = [
     "01_verify_problem",
     "02_online_softmax_lse_merge",
     "03_flash_decode_splitting",
-    "04_the_two_kernels",
+    "04_one_launch",
     "05_parity",
     "06_performance",
     "07_context_parallel",
