@@ -42,7 +42,7 @@ from typing import Optional
 
 import torch
 
-from .checks import check_batch_invariant, check_dropin_types, check_verify_inputs, check_verify_values
+from .checks import check_batch_invariant, check_dropin_types, check_mode, check_verify_inputs, check_verify_values
 from .errors import raise_pending
 from .extend import extend_attention_fwd
 from .gate import decline_reason
@@ -217,12 +217,6 @@ def _check_values(args, kv_last_page_len) -> None:
                         page_size=kb.shape[1] if kv_last_page_len is not None else 1)
 
 
-def _check_mode(check):
-    if check not in (False, True, "full"):
-        raise TypeError(f"check must be False, True or 'full', got {check!r}")
-    return check
-
-
 def verify_splitkv_fwd(
     q_extend,
     k_extend,
@@ -310,7 +304,7 @@ def verify_splitkv_fwd(
     """
     check_dropin_types(custom_mask, is_causal, mask_indptr, max_len_extend)
     check_batch_invariant(split_tokens, max_prefix_len)
-    check = _check_mode(_env_check() if check is None else check)
+    check = check_mode(_env_check() if check is None else check)
     args = (q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
             custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale)
     features = (sm_scale, logit_cap, skip_prefix_custom_mask, sliding_window_size, sinks, window_kv_offsets,
@@ -423,7 +417,7 @@ def verify_attention(
         return _compiled_call(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr,
                               kv_indices, max_len_extend, custom_mask, mask_indptr, is_causal, k_scale, v_scale,
                               features, kv_last_page_len, split_tokens, max_prefix_len, check, return_lse)
-    _check_mode(check)
+    check_mode(check)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     check_batch_invariant(split_tokens, max_prefix_len)

@@ -1,8 +1,8 @@
 """``python -m splitkv.bench_host``: host time of one eager call of each entry (GPU only).
 
-For each labelled model shape, batch and pool dtype: the median over ``--calls``
-calls, each timed alone after a warm-up (the GPU is drained every 50 calls so
-that the launch queue never fills), of
+For each labelled model shape, batch and pool dtype, the benchmark's host
+timing (:meth:`splitkv.bench.Timer.host`: calls in bursts, each timed alone,
+the thread pinned to the fastest CPU; the fastest of ``--rounds`` medians) of
 
 * ``plan.run`` -- a plan made once (:class:`splitkv.VerifyPlan`);
 * ``drop-in`` -- :func:`splitkv.verify_splitkv_fwd`;
@@ -17,31 +17,14 @@ Host times depend on the CPU: compare entries within one run.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from . import VerifySplitKV, verify_attention, verify_attention_op, verify_splitkv_fwd
+from .bench import Timer
 from .testing import MODEL_SHAPES, make_problem
 
 CASES = [(1, 4096), (8, 16384)]
-
-
-def host_us(fn, calls: int) -> float:
-    """Median µs one call of ``fn`` holds the calling thread."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for i in range(calls):
-        if i % 50 == 0:
-            torch.cuda.synchronize()
-        start = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - start)
-    torch.cuda.synchronize()
-    return statistics.median(times) / 1e3
 
 
 def entries(p):
@@ -65,17 +48,20 @@ def entries(p):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m splitkv.bench_host", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=int, default=300, help="timed calls per entry (default: 300)")
+    parser.add_argument("--calls", type=int, default=300, help="timed calls per round (default: 300)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per entry, the fastest kept (default: 3)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
-    print(f"host µs per eager call, {torch.cuda.get_device_name()}, median of {args.calls}")
+    timer = Timer(host_calls=args.calls)
+    print(f"host µs per eager call, {torch.cuda.get_device_name()}, fastest of {args.rounds} medians "
+          f"of {args.calls} calls")
     for model, shape in MODEL_SHAPES.items():
         for bs, prefix in CASES:
             for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
                 p = make_problem([prefix] * bs, 4, shape.num_q_heads, shape.num_kv_heads, shape.head_dim,
                                  dtype=torch.bfloat16, kv_dtype=kv_dtype, device="cuda", seed=0)
-                times = {name: host_us(fn, args.calls) for name, fn in entries(p).items()}
+                times = {name: min(timer.host(fn) for _ in range(args.rounds)) for name, fn in entries(p).items()}
                 cells = " ".join(f"{name}={t:.1f}" for name, t in times.items())
                 print(f"{model:<11} bs {bs:<2} {prefix:>6} {str(kv_dtype).split('.')[-1]:<14} {cells}", flush=True)
     return 0

@@ -18,7 +18,8 @@ import torch
 from .paged import paged_prefix_lens
 
 __all__ = ["Dims", "check_verify_inputs", "check_verify_values", "check_features", "check_output",
-           "check_batch_invariant", "check_dropin_types", "interpreting", "ACT_DTYPES", "KV_DTYPES"]
+           "check_batch_invariant", "check_dropin_types", "check_mode", "device_index", "interpreting",
+           "ACT_DTYPES", "KV_DTYPES"]
 
 #: dtypes of queries, draft K/V and outputs.
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -331,6 +332,20 @@ def check_output(out, lse, out_shape, wants_lse: bool) -> None:
             or lse.stride() != (out_shape[1], 1)):
         _fail(f"lse must be a contiguous {list(out_shape[:2])} float32 tensor on {out.device}, got "
               f"{list(lse.shape)} {lse.dtype} on {lse.device} with strides {lse.stride()}")
+
+
+def check_mode(check):
+    """``check`` is ``False``, ``True`` or ``"full"`` (as for :func:`splitkv.verify_attention`); returns it."""
+    if check not in (False, True, "full"):
+        raise TypeError(f"check must be False, True or 'full', got {check!r}")
+    return check
+
+
+def device_index(device: torch.device) -> int:
+    """The CUDA device index of ``device`` (its current device when it has none), ``-1`` off CUDA."""
+    if device.type != "cuda":
+        return -1
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _is_int(x) -> bool:

@@ -21,6 +21,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from .checks import device_index
 from .kernel import (ERR_COUNTERS, ERR_DRAFTS, ERR_KV_INDPTR, ERR_LAST_PAGE, ERR_MASK, ERR_MERGE_WAIT,
                      ERR_PREFIX_BOUND, ERR_QO_INDPTR, ERR_SLOT)
 
@@ -51,16 +52,10 @@ _WORDS: Dict[int, Tuple[torch.Tensor, object]] = {}
 _LOCK = threading.Lock()
 
 
-def _index(device: torch.device) -> int:
-    if device.type != "cuda":
-        return -1
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def error_word(device) -> torch.Tensor:
     """The error word of ``device`` (one int32, zero while no fault is pending), made on first use."""
     device = torch.device(device)
-    index = _index(device)
+    index = device_index(device)
     entry = _WORDS.get(index)
     if entry is None:
         with _LOCK:
@@ -82,7 +77,7 @@ def describe(code: int) -> str:
 
 def raise_pending(device: torch.device, index: Optional[int] = None) -> None:
     """Raise :class:`VerifyError` if ``device``'s error word holds a fault (and clear it); no waiting."""
-    entry = _WORDS.get(_index(device) if index is None else index)
+    entry = _WORDS.get(device_index(device) if index is None else index)
     if entry is None:
         return
     view = entry[1]

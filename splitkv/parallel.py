@@ -80,7 +80,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .checks import check_batch_invariant, check_output, check_verify_inputs, check_verify_values
+from .checks import check_batch_invariant, check_mode, check_output, check_verify_inputs, check_verify_values
 from .gate import decline_reason
 from .merge import merge_states
 from .paged import paged_prefix_lens, token_indices
@@ -386,12 +386,6 @@ def _round16(n: int) -> int:
     return -(-n // 16) * 16
 
 
-def _check_mode(check) -> None:
-    """``check`` is ``False``, ``True`` or ``"full"`` (as for :func:`splitkv.verify_attention`)."""
-    if check not in (False, True, "full"):
-        raise TypeError(f"check must be False, True or 'full', got {check!r}")
-
-
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -496,7 +490,7 @@ class ContextParallelVerify:
         """
         if not isinstance(is_causal, bool):
             raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-        _check_mode(check)
+        check_mode(check)
         draft = self.owns_draft
         if not draft:
             custom_mask = mask_indptr = sinks = None
@@ -750,7 +744,7 @@ def cp_verify_attention(
         TypeError: for a ``check`` or ``is_causal`` of the wrong type.
         NotImplementedError: for calls the split path declines.
     """
-    _check_mode(check)
+    check_mode(check)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     check_batch_invariant(split_tokens, max_prefix_len)

@@ -44,8 +44,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .checks import (check_batch_invariant, check_features, check_output, check_verify_inputs, check_verify_values,
-                     interpreting)
+from .checks import (check_batch_invariant, check_features, check_mode, check_output, check_verify_inputs,
+                     check_verify_values, device_index, interpreting)
 from .kernel import (LAST_PROGRAM, LOG2E, MERGE_PROGRAMS, SEPARATE_MERGE, TileConfig, _merge_kernel, _verify_kernel,
                      block_m_for, rows_per_tile, tile_config)
 from .launch import Launcher, _specialization, alignment_bits
@@ -121,7 +121,7 @@ def pool_offsets_32(buf: torch.Tensor) -> bool:
 def _stream_key(device: torch.device) -> Tuple[int, int]:
     if device.type != "cuda":
         return (-1, threading.get_ident())  # the interpreter runs a launch on the calling thread
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     return (index, torch._C._cuda_getCurrentRawStream(index))
 
 
@@ -177,8 +177,7 @@ def counters(device: torch.device, tiles: int, stream_key: Optional[Tuple[int, i
 
 def _arena_slice(device: torch.device, size: int, allocate: bool = True) -> Optional[torch.Tensor]:
     """``size`` unused zeroed counters of ``device``'s arena (a new arena if it is full and ``allocate``)."""
-    index = device.index if device.type == "cuda" and device.index is not None else (
-        torch.cuda.current_device() if device.type == "cuda" else -1)
+    index = device_index(device)
     arena = _ARENAS.get(index)
     if arena is None or arena[1] + size > arena[0].numel():
         if not allocate:
@@ -494,8 +493,7 @@ class VerifySplitKV:
         """
         if not isinstance(is_causal, bool):
             raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-        if check not in (False, True, "full"):
-            raise TypeError(f"check must be False, True or 'full', got {check!r}")
+        check_mode(check)
         dims = check_verify_inputs(
             q_extend, k_extend, v_extend, None, k_buffer, v_buffer,
             qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, self.max_len_extend, sinks,
