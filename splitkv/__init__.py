@@ -39,9 +39,8 @@ from .extend import extend_attention_fwd  # noqa: E402
 from .gate import can_handle, decline_reason  # noqa: E402
 from .merge import merge_state, merge_states  # noqa: E402
 from .ops import merge_states_op, verify_attention_op  # noqa: E402
-from .runner import VerifyPlan, VerifySplitKV, workspace_bytes  # noqa: E402
-from .splits import choose_n_splits  # noqa: E402
-from . import testing  # noqa: E402,F401  (splitkv.testing after a plain `import splitkv`)
+from .plan import VerifyPlan, VerifySplitKV  # noqa: E402
+from .schedule import choose_n_splits, workspace_bytes  # noqa: E402
 
 __version__ = "0.1.0"
 

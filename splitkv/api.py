@@ -10,7 +10,7 @@
   the custom op ``torch.ops.splitkv.verify_attention``.
 
 The host path. An eager call costs what Python does before the launch, so
-both entries keep a cache of plans (:class:`splitkv.runner.VerifyPlan`) keyed
+both entries keep a cache of plans (:class:`splitkv.plan.VerifyPlan`) keyed
 by the call's *signature*: every tensor's shape, strides, dtype and device
 except ``kv_indices``'s length (which changes every step as prefixes grow;
 only whether the mean prefix exceeds :data:`splitkv.tuning.SMALL_BATCH_MAX_PREFIX`
@@ -28,7 +28,7 @@ reports malformed metadata in a device error word that the host reads
 without waiting (:mod:`splitkv.errors`): a fault raises
 :class:`splitkv.errors.VerifyError` at that call or the next, or at
 :func:`splitkv.check_device_errors`. ``check="full"`` (``SPLITKV_CHECK=full``)
-also runs :func:`splitkv.checks.check_verify_values` first, which reads the
+also runs :func:`splitkv.validate.check_verify_values` first, which reads the
 device and names every kind of fault at once; it is skipped while the
 stream is being captured into a CUDA graph.
 """
@@ -42,13 +42,13 @@ from typing import Optional
 
 import torch
 
-from .checks import check_batch_invariant, check_dropin_types, check_mode, check_verify_inputs, check_verify_values
+from .validate import check_batch_invariant, check_dropin_types, check_mode, check_verify_inputs, check_verify_values
 from .errors import raise_pending
 from .extend import extend_attention_fwd
 from .gate import decline_reason
 from .paged import flat_pool, token_indices
-from .runner import VerifyPlan, VerifySplitKV, mean_prefix
-from .splits import LaunchLimitError
+from .plan import VerifyPlan, VerifySplitKV
+from .schedule import LaunchLimitError, mean_prefix
 from .tuning import SMALL_BATCH_MAX_PREFIX
 
 __all__ = ["verify_splitkv_fwd", "verify_attention", "get_runner", "clear_caches"]
@@ -135,7 +135,7 @@ def _signature(q, k, v, o, kb, vb, qo, kvp, kvi, cm, mi, sinks, last, offsets, s
 
     Of the length, only whether the mean prefix passes ``SMALL_BATCH_MAX_PREFIX`` keys
     (it fixes the plan's tile: :meth:`VerifySplitKV.config`), counted as the plan counts it
-    (:func:`splitkv.runner.mean_prefix`). Written out flat: it runs on every eager call.
+    (:func:`splitkv.schedule.mean_prefix`). Written out flat: it runs on every eager call.
     """
     return (
         q.shape, q.stride(), q.dtype, q.get_device(),

@@ -3,7 +3,7 @@
 A checked launch (``check=True``, the default of :func:`splitkv.verify_attention`)
 validates the step's metadata inside the kernel, which bounds every gather
 anyway, and stores a fault it meets (one of them, if several) in one int32 word per device
-(see "Checks" in :mod:`splitkv.kernel`). On a GPU that word lives in pinned
+(see "Checks" in :mod:`splitkv.kernels.verify`). On a GPU that word lives in pinned
 host memory that the kernel writes through: the host reads it with a plain
 load, no synchronisation, no copy. A fault is therefore raised at the next
 checked call on that device, or at once by :func:`check_device_errors`, which
@@ -21,8 +21,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .checks import device_index
-from .kernel import (ERR_COUNTERS, ERR_DRAFTS, ERR_KV_INDPTR, ERR_LAST_PAGE, ERR_MASK, ERR_MERGE_WAIT,
+from .validate import device_index
+from .kernels.common import (ERR_COUNTERS, ERR_DRAFTS, ERR_KV_INDPTR, ERR_LAST_PAGE, ERR_MASK, ERR_MERGE_WAIT,
                      ERR_PREFIX_BOUND, ERR_QO_INDPTR, ERR_SLOT)
 
 __all__ = ["VerifyError", "check_device_errors", "error_word", "raise_pending", "describe", "FIELDS"]

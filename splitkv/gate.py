@@ -30,11 +30,9 @@ from typing import Optional
 
 import torch
 
-from .checks import check_batch_invariant, check_features, check_verify_inputs
-from .kernel import TileConfig, block_m_for, rows_per_tile
-from .occupancy import head_tiles
-from .resources import device_shared_memory, shared_memory_reason
-from .splits import MAX_SPLITS, fixed_n_splits, launch_limit_reason
+from .validate import check_batch_invariant, check_features, check_verify_inputs
+from .resources import device_shared_memory, rope_dim, shared_memory_reason, shares_rows
+from .schedule import MAX_SPLITS, TileConfig, block_m_for, fixed_n_splits, head_tiles, launch_limit_reason, rows_per_tile
 
 __all__ = ["can_handle", "decline_reason", "MAX_DRAFT_TOKENS"]
 
@@ -109,26 +107,30 @@ def decline_reason(
     if q_extend.device.type == "cpu" and q_extend.dtype == torch.bfloat16:
         return "bfloat16 under the Triton interpreter (its bf16 tl.dot is wrong)"
     return _launch_limit(dims, max_len_extend, kv_indices.shape[0] * dims.page_size, max_bs,
-                         split_tokens, max_prefix_len) or _tile_reason(dims, max_len_extend, k_buffer.dtype,
+                         split_tokens, max_prefix_len) or _tile_reason(dims, max_len_extend, k_buffer, v_buffer,
                                                                         q_extend.dtype, q_extend.device)
 
 
-def _tile_reason(dims, max_len_extend: int, kv_dtype, q_dtype, device) -> Optional[str]:
+def _tile_reason(dims, max_len_extend: int, k_buffer, v_buffer, q_dtype, device) -> Optional[str]:
     """Why not even the smallest tile (16 keys, one stage) fits the device's shared memory, or ``None``.
 
     The plan starts from the tuned tile and shrinks it the same way
-    (:func:`splitkv.resources.fit_tile`), so it always finds a tile the gate let through.
+    (:func:`splitkv.resources.fit_tile`), so it always finds a tile the gate let through. MLA's
+    576/512 is taken in two chunks (512 + 64: nothing padded, and one query tile through the
+    prefix loop), so its fp8 pool fits, where padded to 1024 not even this tile did; a value pool
+    that is a view of the key pool is read once, which leaves room for a larger tile.
     """
     block_m = block_m_for(rows_per_tile(dims.group, max_len_extend))
     smallest = TileConfig(block_m, 16, 4, 1)
-    return shared_memory_reason(smallest, dims.head_dim, dims.v_head_dim, kv_dtype, q_dtype,
-                                device_shared_memory(device), dims.page_size, max_len_extend)
+    kv_shared = bool(rope_dim(dims.head_dim, dims.v_head_dim)) and shares_rows(k_buffer, v_buffer)
+    return shared_memory_reason(smallest, dims.head_dim, dims.v_head_dim, k_buffer.dtype, q_dtype,
+                                device_shared_memory(device), dims.page_size, max_len_extend, kv_shared)
 
 
 def _launch_limit(dims, max_len_extend: int, keys: int, max_bs, split_tokens, max_prefix_len) -> Optional[str]:
     """Why a launch for these sizes would pass a CUDA or 32-bit limit, or ``None``.
 
-    The grid is ``(batch x head_tiles, n_splits)`` (:func:`splitkv.splits.launch_limit_reason`):
+    The grid is ``(batch x head_tiles, n_splits)`` (:func:`splitkv.schedule.launch_limit_reason`):
     adaptive slices are at most 64, fixed ones ``cdiv(max_prefix_len, split_tokens)``.
     """
     block_m = block_m_for(rows_per_tile(dims.group, max_len_extend))

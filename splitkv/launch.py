@@ -44,7 +44,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 import triton
 
-from .checks import interpreting
+from .validate import interpreting
 
 __all__ = ["Launcher", "fast_path_available", "fast_path_problem", "alignment_bits", "TESTED_TRITON"]
 

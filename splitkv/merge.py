@@ -12,7 +12,7 @@ exact, associative and commutative. A state over no key at all has
 the result is ``v = 0``, ``s = -inf``.
 
 This is the identity the verify kernel uses between prefix slices
-(:mod:`splitkv.kernel`), and what a caller uses to join states computed
+(:mod:`splitkv.kernels.verify`), and what a caller uses to join states computed
 elsewhere: on other GPUs (:mod:`splitkv.parallel`), over a cascade of shared
 and private prefixes, or by another kernel. The arguments follow FlashInfer's
 ``merge_state`` / ``merge_states`` (``v [tokens, heads, dim]``, ``s [tokens,
@@ -26,48 +26,10 @@ from typing import Optional, Tuple
 
 import torch
 import triton
-import triton.language as tl
+
+from .kernels.merge import _merge_states_kernel
 
 __all__ = ["merge_state", "merge_states"]
-
-
-@triton.jit
-def _merge_states_kernel(
-    V, S, V_Out, S_Out,
-    n_states,
-    stride_vt, stride_vs, stride_vh,
-    stride_st, stride_ss, stride_sh,
-    stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    WRITE_S: tl.constexpr,
-):
-    """One program per (token, head, slice of the head dim): an online LSE merge over the states."""
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = offs < HEAD_DIM
-    m = tl.full([1], float("-inf"), tl.float32)  # running max of s_i
-    den = tl.zeros([1], tl.float32)  # sum_i exp(s_i - m)
-    acc = tl.zeros([BLOCK_D], tl.float32)  # sum_i exp(s_i - m) * v_i
-    for i in range(0, n_states):
-        s_i = tl.load(S + t * stride_st + i * stride_ss + h * stride_sh + tl.zeros([1], tl.int32)).to(tl.float32)
-        m_new = tl.maximum(m, s_i)
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_shift)
-        w = tl.exp(s_i - m_shift)
-        # An empty state (s_i = -inf) weighs 0 and its v is not read.
-        v_i = tl.load(V + t * stride_vt + i * stride_vs + h * stride_vh + offs, mask=d_ok & (w > 0), other=0.0)
-        den = den * alpha + w
-        acc = acc * alpha + w * v_i.to(tl.float32)
-        m = m_new
-    has = den > 0
-    out = acc / tl.where(has, den, 1.0)
-    tl.store(V_Out + t * stride_ot + h * stride_oh + offs, out.to(V_Out.dtype.element_ty), mask=d_ok)
-    if WRITE_S:
-        s = tl.where(has, m + tl.log(tl.where(has, den, 1.0)), float("-inf"))
-        if tl.program_id(2) == 0:
-            tl.store(S_Out + t * tl.num_programs(1) + h + tl.zeros([1], tl.int32), s)
 
 
 def merge_states(

@@ -21,7 +21,7 @@ being compiled: a model calls the same function eager or compiled.
 Both are functional (they return new tensors and mutate nothing), which is
 what the compiler handles best. The op runs the one-launch design: its
 counters come from an arena made outside any CUDA-graph memory pool, and each
-captured launch gets counters of its own (see :func:`splitkv.runner.counters`).
+captured launch gets counters of its own (see :func:`splitkv.workspace.counters`).
 The Python wrappers :func:`verify_attention_op` and :func:`merge_states_op`
 take the same arguments; called eagerly they skip the dispatcher and run
 the implementation directly.

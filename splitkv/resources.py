@@ -1,12 +1,14 @@
 """What a verify tile needs on chip, and the largest tile that fits a device.
 
 The tuned tile table (:mod:`splitkv.tuning`) was measured at head dims 128
-and 256; other head dims take its nearest entry, and the kernel pads head
-dims to powers of two. MLA's 576/512 at 64 query rows thereby got a tile
-that needs 525824 bytes of shared memory against the H200's 232448, and
-Triton raised ``OutOfResources`` after the gate had accepted the call.
-:func:`shared_memory_bytes` says what a tile needs without compiling,
-:func:`fit_tile` shrinks a tile until it fits, and
+and 256; other head dims take its nearest entry (or a default), and the
+kernel pads head dims to powers of two, except a head of ``Dv`` plus a power
+of two (MLA's 576 = 512 + 64), which it takes in those two chunks
+(:func:`rope_dim`; "MLA" in :mod:`splitkv.kernels.verify`). Padded to 1024,
+MLA's 576/512 at 64 query rows got a tile that needed 525824 bytes of shared
+memory against the H200's 232448, and Triton raised ``OutOfResources`` after
+the gate had accepted the call. :func:`shared_memory_bytes` says what a tile
+needs without compiling, :func:`fit_tile` shrinks a tile until it fits, and
 :func:`shared_memory_reason` is the decline reason when nothing fits.
 
 The model. Triton keeps these tiles of ``_verify_kernel`` in shared memory
@@ -34,13 +36,27 @@ the previous one, except on a converted pool, whose dot reads the converted
 copies. The draft loop has ``max(1, num_stages - 1)`` buffers, plus one with
 wgmma. ``SLACK`` covers alignment and the compiler's small buffers (barriers).
 
-Calibration: compiled for sm_90 (``python -m splitkv.record_resources``) with
+The chunked layout (``ROPE_DIM > 0``) pads nothing: ``BLOCK_D`` is the head
+dim itself, and a gathered row is ``D`` wide where V is a view of K
+(``kv_shared``: the latent serves both dots) or ``D + Dv`` wide otherwise;
+the draft block is modelled with its own V (the larger case). The kernel
+reloads the query tile for the draft dots, so a converted pool's prefix
+loop holds one query tile, not two, and in one stage a converted pool's
+tile goes through registers to its converted copy (no pool-dtype buffer).
+The compiler places these larger buffers with gaps (up to 20 KB seen, at
+32 keys), so the estimate is rounded up to a multiple of
+``CHUNKED_GRANULE`` (32 KB).
+
+Calibration: compiled for sm_90 (``python -m splitkv.bench.record_resources``) with
 Triton 3.6.0 (the H200's, on its host) and 3.9.0 (this repository's CPU
-environment), 156 configurations each. The model is at or above every
-compiled value (``tests/test_resources.py``) and within a few per cent of
-the H200's tuned tiles; see :data:`CALIBRATION`. On the H200 the MLA tiles
-:func:`fit_tile` picks (64 rows, 32 keys, one stage) ran and matched the
-reference, where the table's tile raised ``OutOfResources`` (525824 bytes).
+environment), 156 configurations each, in the padded layout. The model is
+at or above every compiled value (``tests/test_resources.py``) and within a
+few per cent of the H200's tuned tiles; see :data:`CALIBRATION`. The
+chunked layout was calibrated the same way (Triton 3.9.0, 35 compiles) on
+MLA's tiles: bf16, fp8 (bf16 and fp16 queries) and float32 pools, V a view
+of K or not, token pools and pages of 16 and 64, every merge mode, every
+feature, and 192/128 and 80/64 heads (``CHUNKED_COMPILED`` in
+``tests/test_resources.py``).
 """
 
 from __future__ import annotations
@@ -50,10 +66,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from .kernel import TileConfig
+from .schedule import TileConfig
 
 __all__ = ["shared_memory_bytes", "device_shared_memory", "fit_tile", "shared_memory_reason", "tile_candidates",
-           "H200_SHARED_MEMORY", "CALIBRATION"]
+           "rope_dim", "shares_rows", "H200_SHARED_MEMORY", "CALIBRATION"]
 
 #: The H200's (and H100's) per-block opt-in shared memory: 227 KB, what Triton's launch checks against.
 H200_SHARED_MEMORY = 232448
@@ -61,6 +77,9 @@ H200_SHARED_MEMORY = 232448
 CALIBRATION = "Triton 3.6.0 and 3.9.0, sm_90, 156 compiles each (splitkv/shared_memory_sm90.json)"
 #: Bytes added to every estimate: allocations are aligned, and the compiler adds a few small buffers.
 SLACK = 1024
+#: The chunked (MLA) layout's estimate is rounded up to a multiple of this many bytes: its compiled
+#: kernels place their buffers with gaps (up to 20 KB at 32 keys, see the module docstring).
+CHUNKED_GRANULE = 32768
 
 
 def _pow2(n: int) -> int:
@@ -70,6 +89,34 @@ def _pow2(n: int) -> int:
 def _dtype(dtype) -> torch.dtype:
     """A torch dtype from itself or its name (``"float8_e4m3fn"``)."""
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def rope_dim(head_dim: int, v_head_dim: int) -> int:
+    """The second QK chunk of a head the kernel takes in two (``ROPE_DIM``), or 0 (one padded chunk).
+
+    A head dim that is not a power of two but is ``v_head_dim`` plus a power of
+    two, both at least 16 (a tensor-core dot's depth), is taken as
+    ``v_head_dim + rope``: MLA's 576 = 512 + 64, or 192 = 128 + 64. The
+    kernel then pads nothing, where one chunk would pad 576 to 1024.
+    """
+    rope = head_dim - v_head_dim
+    if _is_pow2(head_dim) or not (_is_pow2(v_head_dim) and _is_pow2(rope)) or min(v_head_dim, rope) < 16:
+        return 0
+    return rope
+
+
+def shares_rows(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``v`` is ``k[..., :Dv]``: same storage, address, dtype, strides and leading shape.
+
+    Then the kernel loads each row once for both (``KV_SHARED``): MLA's value
+    rows are its latent rows, the first ``Dv`` of the ``D`` key columns.
+    """
+    return (v.data_ptr() == k.data_ptr() and v.dtype == k.dtype and v.stride() == k.stride()
+            and v.shape[:-1] == k.shape[:-1] and v.shape[-1] <= k.shape[-1])
 
 
 def _index_pipelined(block_n: int, num_warps: int, page_size: int) -> bool:
@@ -82,30 +129,46 @@ def _index_pipelined(block_n: int, num_warps: int, page_size: int) -> bool:
 
 
 def shared_memory_bytes(config: TileConfig, head_dim: int, v_head_dim: int, kv_dtype, q_dtype,
-                        page_size: int = 1, max_len_extend: int = 16) -> int:
+                        page_size: int = 1, max_len_extend: int = 16, kv_shared: bool = False,
+                        rope: Optional[int] = None) -> int:
     """Shared memory (bytes) of ``_verify_kernel`` compiled for sm_90 with tile ``config``: the model above.
 
     ``kv_dtype``/``q_dtype``: torch dtypes (or their names) of the pool and the
     queries; ``page_size`` 1 for a token pool; ``max_len_extend`` sets the
     draft loop's block (``max(16, min(block_n, next_pow2))``, 16 up to 16 drafts).
+    ``rope``: the kernel's ``ROPE_DIM`` (default :func:`rope_dim`, what the plan
+    launches; 0 models the one padded chunk); ``kv_shared``: V is a view of K
+    in the pools (``KV_SHARED``, the chunked layout only).
     """
-    bd, bdv, bm, bn, stages = _pow2(head_dim), _pow2(v_head_dim), config.block_m, config.block_n, config.num_stages
+    rope = rope_dim(head_dim, v_head_dim) if rope is None else rope
+    bm, bn, stages = config.block_m, config.block_n, config.num_stages
     kv_dtype, q_dtype = _dtype(kv_dtype), _dtype(q_dtype)
     convert = kv_dtype != q_dtype  # K and V are converted on chip (fp8 pools)
     cb, kb = q_dtype.itemsize, kv_dtype.itemsize  # compute (query) and pool element sizes
+    if rope:  # two exact chunks; a shared row is K and V at once
+        qk, row, draft_row = head_dim, head_dim + (0 if kv_shared else v_head_dim), head_dim + v_head_dim
+    else:
+        qk = _pow2(head_dim)
+        row = draft_row = qk + _pow2(v_head_dim)
     wgmma = bm >= 64 and cb == 2
     piped = stages > 1 and _index_pipelined(bn, config.num_warps, page_size)
     nbuf = 1 if stages <= 2 or piped else stages - 1
     nbuf += int(wgmma and stages > 1 and not convert)
-    prefix = nbuf * bn * (bd + bdv) * kb + (3 * bn * 4 if piped else 0)
+    if rope and convert and stages == 1:
+        nbuf = 0  # unpipelined, a chunked pool tile goes through registers straight to its converted copy
+    prefix = nbuf * bn * row * kb + (3 * bn * 4 if piped else 0)
     if wgmma:
-        prefix += bn * (bd + bdv) * cb if convert else 0  # the converted K and V the dot reads
+        prefix += bn * row * cb if convert else 0  # the converted K and V the dot reads
     else:
         prefix += bm * bn * cb  # P
     nd = max(16, min(bn, _pow2(max_len_extend)))
-    draft = (max(1, stages - 1) + int(wgmma and stages > 1)) * nd * (bd + bdv) * cb + (0 if wgmma else bm * nd * cb)
-    q = bm * bd * cb  # a converted pool's prefix loop holds the converted query tile too
-    return max(q * (2 if convert else 1) + prefix, q + draft) + SLACK
+    draft = (max(1, stages - 1) + int(wgmma and stages > 1)) * nd * draft_row * cb + (0 if wgmma else bm * nd * cb)
+    q = bm * qk * cb
+    if not rope:  # a converted pool's prefix loop holds the converted query tile too
+        return max(q * (2 if convert else 1) + prefix, q + draft) + SLACK
+    # The chunked kernel reloads the query tile for the draft block: one tile through the prefix loop.
+    total = max(q + prefix, q + draft) + SLACK
+    return -(-total // CHUNKED_GRANULE) * CHUNKED_GRANULE
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,7 +196,8 @@ def tile_candidates(config: TileConfig) -> Iterator[TileConfig]:
     Per ``block_n`` (halved down to 16), stages from ``config``'s down to 1;
     ``block_m``, warps and the K layout are kept. Stage 1 is worth trying after
     2: Triton pipelines nothing then, which with wgmma (64-row tiles) halves the
-    K/V buffers (MLA at 32 keys: 327808 bytes in two stages, 229376 in one).
+    K/V buffers (MLA with a value pool of its own, 64 keys: 212992 bytes compiled
+    in one stage, where two stages need twice the K/V buffers and do not fit).
     """
     bn = config.block_n
     while True:
@@ -145,24 +209,31 @@ def tile_candidates(config: TileConfig) -> Iterator[TileConfig]:
 
 
 def fit_tile(config: TileConfig, head_dim: int, v_head_dim: int, kv_dtype, q_dtype, limit: Optional[int],
-             page_size: int = 1, max_len_extend: int = 16) -> Optional[TileConfig]:
+             page_size: int = 1, max_len_extend: int = 16, kv_shared: bool = False) -> Optional[TileConfig]:
     """``config`` if it fits in ``limit`` bytes of shared memory, else the first of
-    :func:`tile_candidates` that does, else ``None``. ``limit`` ``None``: no limit (``config``)."""
+    :func:`tile_candidates` that does, else ``None``. ``limit`` ``None``: no limit (``config``).
+    ``kv_shared``: V is a view of K in the pools (:func:`shared_memory_bytes`)."""
     if limit is None:
         return config
     for tile in tile_candidates(config):
-        if shared_memory_bytes(tile, head_dim, v_head_dim, kv_dtype, q_dtype, page_size, max_len_extend) <= limit:
+        if shared_memory_bytes(tile, head_dim, v_head_dim, kv_dtype, q_dtype, page_size, max_len_extend,
+                               kv_shared) <= limit:
             return tile
     return None
 
 
 def shared_memory_reason(config: TileConfig, head_dim: int, v_head_dim: int, kv_dtype, q_dtype,
-                         limit: Optional[int], page_size: int = 1, max_len_extend: int = 16) -> Optional[str]:
+                         limit: Optional[int], page_size: int = 1, max_len_extend: int = 16,
+                         kv_shared: bool = False) -> Optional[str]:
     """Why no tile from ``config`` down fits ``limit`` bytes (a decline reason), or ``None`` when one does."""
-    if fit_tile(config, head_dim, v_head_dim, kv_dtype, q_dtype, limit, page_size, max_len_extend) is not None:
+    if fit_tile(config, head_dim, v_head_dim, kv_dtype, q_dtype, limit, page_size, max_len_extend,
+                kv_shared) is not None:
         return None
-    need, tile = min(((shared_memory_bytes(t, head_dim, v_head_dim, kv_dtype, q_dtype, page_size, max_len_extend), t)
+    need, tile = min(((shared_memory_bytes(t, head_dim, v_head_dim, kv_dtype, q_dtype, page_size, max_len_extend,
+                                           kv_shared), t)
                       for t in tile_candidates(config)), key=lambda pair: pair[0])
-    return (f"shared memory: the smallest tile for head dims {_pow2(head_dim)}/{_pow2(v_head_dim)} "
+    rope = rope_dim(head_dim, v_head_dim)
+    dims = f"{v_head_dim}+{rope}/{v_head_dim}" if rope else f"{_pow2(head_dim)}/{_pow2(v_head_dim)}"
+    return (f"shared memory: the smallest tile for head dims {dims} "
             f"({tile.block_m} rows, {tile.block_n} keys, {tile.num_stages} stage{'s' if tile.num_stages > 1 else ''}) "
             f"needs {need} bytes, the device has {limit}")

@@ -1,13 +1,13 @@
 """Launch settings measured on the H200: the table the kernel's tile choice reads.
 
-``tuned_h200.json`` beside this file is written by ``python -m splitkv.tune
+``tuned_h200.json`` beside this file is written by ``python -m splitkv.bench.tune
 --replace`` on an H200 (a sweep over BLOCK_N, warps, pipeline stages and the K tile's layout, and
 over the split chooser's slice length, timed from CUDA graphs with
 ``do_bench``). It holds:
 
 * ``tiles``: per (widest head dim, BLOCK_M, pool bytes per element) the fastest
   ``block_n``, ``num_warps``, ``num_stages``, ``k_rows`` (see
-  :class:`splitkv.kernel.TileConfig`) and the programs per SM that the
+  :class:`splitkv.schedule.TileConfig`) and the programs per SM that the
   compiled kernel's registers and shared memory allow;
 * ``paged_tiles``: the same per (key, page size) for paged pools, swept
   apart because a page's contiguous rows change what the tile costs (see
@@ -19,11 +19,12 @@ over the split chooser's slice length, timed from CUDA graphs with
   per SM, a deeper pipeline (more shared memory) costs no occupancy;
 * the device, date and software versions of the sweep.
 
-A key the sweep did not measure takes the nearest measured entry (same pool
-element size, then nearest head dim, then nearest BLOCK_M) for its block
-sizes, warps and stages, and the K layout the kernel was written for
-(``k_rows=False``): the layout's effect does not carry over between tile
-shapes (see :func:`k_rows`).
+A key the sweep did not measure takes its :data:`DEFAULT_TILES` entry if it
+has one (a choice made without timing, marked ``measured: False``), else the
+nearest measured entry (same pool element size, then nearest head dim, then
+nearest BLOCK_M) for its block sizes, warps and stages, and the K layout the
+kernel was written for (``k_rows=False``): the layout's effect does not carry
+over between tile shapes (see :func:`k_rows`).
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ import os
 import warnings
 from typing import Dict, Tuple
 
-from .checks import interpreting
+from .validate import interpreting
 
 __all__ = ["TUNED", "tuned_tile", "programs_per_sm", "min_split_tokens", "small_batch_tile", "TABLE_PATH",
-           "SMALL_BATCH_SMS_PER_TILE", "SMALL_BATCH_MAX_PREFIX", "k_rows", "paged_tile_row"]
+           "SMALL_BATCH_SMS_PER_TILE", "SMALL_BATCH_MAX_PREFIX", "k_rows", "paged_tile_row", "DEFAULT_TILES"]
 
 #: Where the sweep's table lives.
 TABLE_PATH = os.path.join(os.path.dirname(__file__), "tuned_h200.json")
@@ -81,7 +82,20 @@ def _notice_if_untuned() -> None:
     if name != swept:
         warnings.warn(f"splitkv: no tuned tile table for {name}; using the defaults measured on the {swept} "
                       f"(splitkv/{os.path.basename(TABLE_PATH)}). To tune for this GPU: "
-                      "python -m splitkv.tune --replace (over ten minutes)", stacklevel=3)
+                      "python -m splitkv.bench.tune --replace (over ten minutes)", stacklevel=3)
+
+
+#: Tiles for keys ``(widest head dim, BLOCK_M, pool bytes per element)`` that no sweep has
+#: measured, chosen from the compiled kernels' registers and shared memory (not timed: ``measured``
+#: is False). A measured row of the same key wins. MLA (576/512, one KV head, 64 rows): the
+#: 64 x 512 float32 accumulator takes 128 registers a thread at 8 warps (at 4 warps the compiled
+#: kernel spills some 13 KB); 64 keys in two stages fit the H200 with the value pool a view of the
+#: key pool (:mod:`splitkv.resources`), and one program fills an SM's shared memory.
+DEFAULT_TILES = {
+    (576, 64, kv_bytes): dict(head_dim=576, block_m=64, kv_bytes=kv_bytes, block_n=64, num_warps=8, num_stages=2,
+                              k_rows=False, programs_per_sm=1, measured=False)
+    for kv_bytes in (1, 2)
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,6 +103,8 @@ def _nearest(head_dim: int, block_m: int, kv_bytes: int) -> Dict:
     tiles = TUNED["tiles"]
     if (head_dim, block_m, kv_bytes) in tiles:
         return tiles[(head_dim, block_m, kv_bytes)]
+    if (head_dim, block_m, kv_bytes) in DEFAULT_TILES:
+        return DEFAULT_TILES[(head_dim, block_m, kv_bytes)]
     same = [k for k in tiles if k[2] == kv_bytes] or list(tiles)
     key = min(same, key=lambda k: (abs(k[0] - head_dim), abs(k[1] - block_m)))
     return tiles[key]
@@ -104,10 +120,8 @@ def paged_tile_row(head_dim: int, block_m: int, kv_bytes: int, page_size: int):
 
     Why a row of its own: a page is contiguous rows, and the compiler buffers
     a tile of such rows in shared memory differently from a gather of
-    scattered slots. In the paged sweep (H200, bf16, 2026-12-01) Qwen3-Next's
-    token-pool tile (64 keys, three stages) took 151 KB of shared memory on
-    pages of 64, one program per SM, and 277.1 us at batch 8 / 64k; two
-    stages, two programs per SM, took 266.2.
+    scattered slots, so the fastest stage count (and with it the programs
+    per SM) can differ from the token pool's (docs/benchmarks.md).
     """
     if page_size <= 1:
         return None
@@ -145,8 +159,8 @@ def k_rows(head_dim: int, block_m: int, kv_bytes: int, page_size: int = 1) -> bo
     :func:`paged_tile_row`, else the token pool's row); any other key (for
     instance Gemma-2's 16-row tiles of head dim 256, or a float32 pool) loads
     K as ``[D, BLOCK_N]``. The layout's effect does not carry over between
-    tile shapes: on the H200 rows made Qwen3-Next's 32-row bf16 tiles 6-11 %
-    faster but Gemma-2's capped 16-row tiles 13 % slower (2026-11-30).
+    tile shapes: rows help some tiles and slow others, so only a measured
+    key gets them.
     """
     row = paged_tile_row(head_dim, block_m, kv_bytes, page_size) or TUNED["tiles"].get((head_dim, block_m, kv_bytes))
     return bool(row is not None and row.get("k_rows", False))
@@ -175,9 +189,8 @@ def min_split_tokens() -> int:
 #: ``num_sms // tiles`` slices, one program per SM, one wave.
 SMALL_BATCH_SMS_PER_TILE = 8
 #: Longest representative prefix served by the small-launch schedule: the
-#: sweep measured it faster at 4k and 16k only. At 64k the throughput tile and
-#: the usual chooser were faster on the H200 (batch 1, CUDA-graph replays,
-#: 2026-12-01): Llama-3-8B 93.6 -> 87.7 us, Qwen3-32B 98.0 -> 90.4 us.
+#: sweep measured it faster up to 16k; at 64k the throughput tile and the
+#: usual chooser are faster.
 SMALL_BATCH_MAX_PREFIX = 16384
 
 

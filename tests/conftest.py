@@ -17,19 +17,10 @@ if not CUDA:
     # triton.jit reads this when the kernels are defined, so set it first.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from splitkv.testing import make_problem, reference_for, relative_error  # noqa: E402
+from splitkv.testing import ROW_TOLERANCE, TOLERANCE, make_problem, reference_for, relative_error  # noqa: E402,F401
 from splitkv.tuning import min_split_tokens  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
-
-#: Relative-error budgets ||out - ref|| / ||ref|| against the float64 oracle.
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-
-#: Budgets for the worst single row: max over (token, head) of
-#: ||out_row - ref_row|| / ||ref_row||. Measured on the interpreter (fp16 worst
-#: row ~5e-4, fp32 ~1e-6); a row that misses or double-counts a slice is off by
-#: far more, so one wrong row fails even where the global norm hides it.
-ROW_TOLERANCE = {torch.float32: 5e-4, torch.float16: 5e-3, torch.bfloat16: 4e-2}
 
 #: dtypes the kernels are checked in here: bf16 only on the GPU, since the
 #: interpreter's bf16 tl.dot is broken (triton-lang/triton#11584).
@@ -117,9 +108,9 @@ def last_plan():
 
 def all_counters_zero() -> bool:
     """Every per-stream tile counter array (live and outgrown) is back at zero."""
-    from splitkv import runner
+    from splitkv import workspace
 
-    arrays = list(runner._COUNTERS.values()) + list(runner._OUTGROWN)
+    arrays = list(workspace._COUNTERS.values()) + list(workspace._OUTGROWN)
     return all(int(torch.count_nonzero(a)) == 0 for a in arrays)
 
 
@@ -133,7 +124,7 @@ def poisoned_workspace_runner(problem, *, poison=float("nan"), max_bs=None, max_
     as NaN in the output.
     """
     from splitkv import VerifySplitKV, workspace_bytes
-    from splitkv.splits import MAX_SPLITS
+    from splitkv.schedule import MAX_SPLITS
 
     p = problem
     max_bs = max_bs or p.batch_size
@@ -153,7 +144,7 @@ def poisoned_workspace_runner(problem, *, poison=float("nan"), max_bs=None, max_
 def scratch_views(runner, plan, workspace):
     """``(part_o [tiles, n_splits, BLOCK_M, Dv], part_lse [tiles, n_splits, BLOCK_M])`` in a workspace.
 
-    The layout of :mod:`splitkv.kernel` ("Memory layout"); ``part_lse`` is in base 2.
+    The layout of :mod:`splitkv.kernels.verify` ("Memory layout"); ``part_lse`` is in base 2.
     """
     from splitkv import workspace_bytes
 
@@ -434,11 +425,11 @@ def run_case_unchecked(case):
     def entry_runner(out, one_launch=True, merge_programs=False):
         from unittest import mock
 
-        from splitkv import runner as runner_module
+        from splitkv import schedule
 
         # merge_programs: past what a last program merges alone, so the grid's merge programs wait on
         # the slices' counters (a mismatch with the malformed metadata would hang, not just be wrong).
-        with mock.patch.object(runner_module, "FUSED_MAX_MERGE", 0 if merge_programs else runner_module.FUSED_MAX_MERGE):
+        with mock.patch.object(schedule, "FUSED_MAX_MERGE", 0 if merge_programs else schedule.FUSED_MAX_MERGE):
             runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
                                    p.batch_size, DEVICE, n_splits=4, one_launch=one_launch)
             plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr,

@@ -13,8 +13,8 @@ import torch
 
 from conftest import DEVICE
 
-from splitkv import bench, floor
-from splitkv.floor import FloorConfig, gather_sum, search_gather_floor
+from splitkv.bench import breadth, floors, peers, report, run, timing
+from splitkv.bench.floors import FloorConfig, gather_sum, search_gather_floor
 from splitkv.testing import make_problem
 
 
@@ -73,11 +73,11 @@ def test_gather_sum_rejects_bad_input():
 
 def test_floor_configs_prune_registers():
     """The grid keeps valid settings only; wide heads lose the big tiles."""
-    narrow, wide = floor.floor_configs(128, 128), floor.floor_configs(256, 256)
+    narrow, wide = floors.floor_configs(128, 128), floors.floor_configs(256, 256)
     assert len(narrow) > len(wide) > 0
     for cfgs, d in ((narrow, 128), (wide, 256)):
         assert all(c.tokens_per_program % c.block_n == 0 for c in cfgs)
-        assert all(c.block_n * 2 * d <= floor.MAX_ACC_REGISTERS * 32 * c.num_warps for c in cfgs)
+        assert all(c.block_n * 2 * d <= floors.MAX_ACC_REGISTERS * 32 * c.num_warps for c in cfgs)
     assert FloorConfig(64, 128, 4, 3) in narrow and FloorConfig(64, 128, 4, 3) not in wide
 
 
@@ -96,19 +96,37 @@ def test_search_gather_floor_two_rounds(monkeypatch):
         return (abs(cfg.block_n - 32) + abs(cfg.tokens_per_program - 128) / 8 + 1
                 - (cfg.num_warps == 2) * 0.1 - (cfg.num_stages == 1) * 0.05)
 
-    real = floor.gather_sum
+    real = floors.gather_sum
 
-    def spy(k_, v_, idx_, config, out=None):
+    def spy(k_, v_, idx_, config, out=None, **kw):
         fake_time.current = config
-        return real(k_, v_, idx_, config, out)
+        return real(k_, v_, idx_, config, out, **kw)
 
-    monkeypatch.setattr(floor, "gather_sum", spy)
+    monkeypatch.setattr(floors, "gather_sum", spy)
     found = search_gather_floor(k, v, idx, fake_time)
     assert found["config"] == dict(block_n=32, tokens_per_program=128, num_warps=2, num_stages=1)
     assert math.isclose(found["us"], 1 - 0.15)
     assert len(found["trials"]) == len(calls) == 14 + 3
     assert all(key.startswith("64/") for key in found["errors"])
     assert all(t[4] is None for t in found["trials"] if t[0] == 64)
+
+
+def test_search_gather_floor_reduced_grid():
+    """The --small grid: 8 first-round settings (BLOCK_N x 32/128/512 tokens, 4 warps, 3 stages), then 1 stage."""
+    k, v, idx = _pools(torch.float32, n_tokens=40, pool=64)
+    seen = []
+
+    def fake_time(fn):
+        fn()
+        seen.append(len(seen))
+        return 10.0 - len(seen)  # the last setting timed is the fastest
+
+    found = search_gather_floor(k, v, idx, fake_time, **floors.REDUCED_GRID)
+    settings = [tuple(t[:4]) for t in found["trials"]]
+    assert len(settings) == len(set(settings)) == len(seen) == 9
+    assert {s[1] for s in settings} == {32, 128, 512} and {s[2] for s in settings} == {4}
+    assert settings[-1][3] == 1 and all(s[3] == 3 for s in settings[:-1])
+    assert found["config"]["num_stages"] == 1 and math.isclose(found["us"], 1.0)
 
 
 # ---- GPU tag, output path ------------------------------------------------------------------------
@@ -124,40 +142,124 @@ def test_search_gather_floor_two_rounds(monkeypatch):
     ("AMD Instinct MI300X", "mi300x"),
 ])
 def test_gpu_tag(name, tag):
-    assert bench.gpu_tag(name) == tag
+    assert timing.gpu_tag(name) == tag
 
 
 def test_default_out_path():
-    assert bench.default_out_path("h100") == os.path.join("figures", "benchmark_h100.json")
-    assert bench.default_out_path("h200", "quick") == os.path.join("figures", "benchmark_h200_quick.json")
+    assert report.default_out_path("h100") == os.path.join("figures", "benchmark_h100.json")
+    assert report.default_out_path("h200", "quick") == os.path.join("figures", "benchmark_h200_quick.json")
 
 
 def test_plan_run_paths_and_defaults():
     """The full default sweep writes benchmark_<gpu>; --quick and subsets never overwrite it."""
-    full = bench.plan_run([], "NVIDIA H200")
+    full = run.plan_run([], "NVIDIA H200")
     assert full["out"] == os.path.join("figures", "benchmark_h200.json")
     assert full["md"] == os.path.join("figures", "benchmark_h200.md") and full["plot_tag"] == "h200"
-    assert full["models"] == tuple(bench.MODEL_SHAPES) and full["batches"] == bench.BENCH_BATCHES
-    assert full["prefixes"] == bench.BENCH_PREFIXES and full["impls"] == bench.IMPLEMENTATIONS
-    assert full["kv_dtypes"] == bench.KV_DTYPES and full["gather_floor"]
+    assert full["models"] == tuple(run.MODEL_SHAPES) and full["batches"] == run.BENCH_BATCHES
+    assert full["prefixes"] == run.BENCH_PREFIXES and full["impls"] == peers.IMPLEMENTATIONS
+    assert full["kv_dtypes"] == run.KV_DTYPES and full["gather_floor"]
     assert full["timer"] == dict(rep_ms=25.0, host_calls=1000, host_pin=True)
-    assert len(bench.bench_shapes(full["models"], full["batches"], full["prefixes"])) == 36
-    assert bench.plan_run([], "NVIDIA H100 80GB HBM3")["out"] == os.path.join("figures", "benchmark_h100.json")
-    quick = bench.plan_run(["--quick"], "NVIDIA H200")
+    assert len(run.bench_shapes(full["models"], full["batches"], full["prefixes"])) == 36
+    assert run.plan_run([], "NVIDIA H100 80GB HBM3")["out"] == os.path.join("figures", "benchmark_h100.json")
+    quick = run.plan_run(["--quick"], "NVIDIA H200")
     assert quick["out"].endswith("benchmark_h200_quick.json") and quick["plot_tag"] == "h200_quick"
-    assert len(bench.bench_shapes(quick["models"], quick["batches"], quick["prefixes"])) * 2 == 4
-    one = bench.plan_run(["--models", "llama3-8b", "--batches", "8", "--prefixes", "16384"], "NVIDIA H200")
+    assert len(run.bench_shapes(quick["models"], quick["batches"], quick["prefixes"])) * 2 == 4
+    one = run.plan_run(["--models", "llama3-8b", "--batches", "8", "--prefixes", "16384"], "NVIDIA H200")
     assert one["out"].endswith("benchmark_h200_custom.json") and one["batches"] == (8,)
-    mine = bench.plan_run(["--out", "/tmp/x/run.json", "--figures", "", "--rep-ms", "10"], "NVIDIA H200")
+    mine = run.plan_run(["--out", "/tmp/x/run.json", "--figures", "", "--rep-ms", "10"], "NVIDIA H200")
     assert (mine["out"], mine["md"]) == ("/tmp/x/run.json", "/tmp/x/run.md")
     assert (mine["figures"], mine["plot_tag"]) == ("", "run")
     assert mine["timer"]["rep_ms"] == 10.0
-    assert not bench.plan_run(["--host-unpinned"], "NVIDIA H200")["timer"]["host_pin"]
+    assert not run.plan_run(["--host-unpinned"], "NVIDIA H200")["timer"]["host_pin"]
+
+
+def _small_help_rows(text: str) -> list:
+    """The rows ``--help`` says ``--small`` runs, read back from its sentence."""
+    text = " ".join(text.split())
+    m = re.search(r"--small: .*? on the rows ([\w\-, ]+), each at batch ([\d and]+) x prefix ([\dk/]+) "
+                  r"and at batch 1 x (\d+)k \((\d+) rows\)", text)
+    assert m, "the --help text names --small's rows"
+    models = m.group(1).split(", ")
+    batches = [int(b) for b in m.group(2).split(" and ")]
+    prefixes = [int(x[:-1]) * 1024 for x in m.group(3).split("/")]
+    rows = []
+    for model in models:
+        rows += [dict(model=model, batch=b, prefix=x) for b in batches for x in prefixes]
+        rows.append(dict(model=model, batch=1, prefix=int(m.group(4)) * 1024))
+    assert len(rows) == int(m.group(5))
+    return rows
+
+
+def test_small_rows_are_what_the_help_says():
+    small = run.plan_run(["--small"], "NVIDIA H200")
+    assert small["shapes"] == _small_help_rows(run._parser().format_help())
+    assert len(small["shapes"]) == 21 and {r["model"] for r in small["shapes"]} == {"llama3-8b", "qwen3-32b",
+                                                                                   "qwen3-next"}
+    assert {(r["batch"], r["prefix"]) for r in small["shapes"]} == {
+        (b, x) for b in (1, 8) for x in (1024, 4096, 16384)} | {(1, 65536)}
+    assert small["small"] and small["impls"] == ("splitkv",) and small["kv_dtypes"] == ("bfloat16",)
+    assert small["eager_impls"] == () and small["host_impls"] == () and small["gather_floor"]
+    assert small["floor_grid"] == floors.REDUCED_GRID
+    assert (small["out"], small["md"], small["figures"]) == (None, None, "")  # writes nothing
+    kept = run.plan_run(["--small", "--out", "/tmp/s/small.json"], "NVIDIA H200")
+    assert (kept["out"], kept["md"], kept["figures"]) == ("/tmp/s/small.json", "/tmp/s/small.md", "")
+    assert run.plan_run(["--small", "--figures", "figs"], "NVIDIA H200")["figures"] == "figs"
+    narrow = run.plan_run(["--small", "--models", "qwen3-next", "--prefixes", "65536"], "NVIDIA H200")
+    assert narrow["shapes"] == [dict(model="qwen3-next", batch=1, prefix=65536)]
+    full = run.plan_run([], "NVIDIA H200")
+    assert not full["small"] and full["floor_grid"] is None and full["host_impls"] == peers.HOST_IMPLS
+    with pytest.raises(SystemExit):
+        run.plan_run(["--small", "--quick"], "NVIDIA H200")
+
+
+def test_small_mode_end_to_end_on_cpu(monkeypatch, tmp_path, capsys):
+    """``main(["--small"])`` with fake timers on the interpreter: splitkv only, graph times only, the
+    reduced gather-floor grid, the ratio and the share of the read bandwidth printed, no file written."""
+    from splitkv.testing import HeadShape
+
+    cpu_problem = run.make_problem
+
+    def make(*args, **kw):  # the interpreter: float32 on the CPU, not bf16 on a GPU
+        return cpu_problem(*args, **dict(kw, dtype=torch.float32, device=DEVICE))
+
+    class SmallTimer(FakeTimer):
+        def __init__(self, **settings):
+            super().__init__()
+            self.settings = settings
+
+        def eager(self, fn):
+            raise AssertionError("--small times graph replays only")
+
+        def host(self, fn):
+            raise AssertionError("--small measures no host time")
+
+    monkeypatch.setattr(run, "make_problem", make)
+    monkeypatch.setattr(run, "MODEL_SHAPES", {"tiny": HeadShape("tiny", 4, 2, 64)})
+    monkeypatch.setattr(run, "SMALL", dict(models=("tiny",), batches=(1, 2), prefixes=(32,), long_prefix=96))
+    monkeypatch.setattr(run, "measure_read_bandwidth", lambda: 1e12)
+    monkeypatch.setattr(run, "Timer", SmallTimer)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"multi_processor_count": 132}))
+    monkeypatch.chdir(tmp_path)
+    run.main(["--small"])
+    assert list(tmp_path.iterdir()) == []  # nothing written, no figures/ folder
+    text = capsys.readouterr().out
+    assert "writing no files" in text and "splitkv against its floors" in text
+    labels = [report._shape(dict(model="tiny", batch=b, prefix=x)) for b, x in ((1, 32), (2, 32), (1, 96))]
+    table = [line for line in text.splitlines() if line.startswith("tiny ")]
+    assert [line.split("  ")[0] for line in table] == labels
+    for line in table:  # pool, splitkv µs, gather floor µs, ÷ gather floor, floor µs, % read bw
+        cells = line[len(labels[0]):].split()
+        assert cells[:4] == ["bf16", "40.0", "40.0", "1.00"] and cells[-1] == "%", line
+    assert sum(line.startswith("[") for line in text.splitlines()) == 3  # a progress line per row
+    assert "reduced grid of launch settings (tokens per program 32/128/512, num warps 4)" in text
 
 
 # ---- One row, assembled with fake timers (the wiring of every implementation) ---------------------
 
-class FakeTimer(bench.Timer):
+class FakeTimer(timing.Timer):
     """Runs each callable once (checking it works) and returns a fixed time per implementation
     (host rounds: 90 µs in an implementation's turn, 70 at the end of the row)."""
 
@@ -188,7 +290,7 @@ def test_bench_row_wiring_bf16_and_fp8():
     shape = dict(model="tiny", batch=2, prefix=40)
     p = make_problem([40, 40], 4, 4, 2, 64, dtype=torch.float32, device=DEVICE, seed=3)
     impls = ("splitkv", "splitkv_invariant", "seed", "extend", "sdpa")
-    row, outs = bench.bench_row(p, shape, impls, FakeTimer(), 1e12)
+    row, outs = run.bench_row(p, shape, impls, FakeTimer(), 1e12)
     assert row["kv_dtype"] == "float32" and row["floor_us"] == p.kv_bytes / 1e12 * 1e6
     for name in ("splitkv", "seed", "extend", "sdpa"):
         rec = row["impls"][name]
@@ -201,16 +303,16 @@ def test_bench_row_wiring_bf16_and_fp8():
     assert "host_us" not in row["impls"]["seed"]
     inv = row["impls"]["splitkv_invariant"]  # split_tokens: a time, or a recorded failure
     assert inv.get("graph") == 40.0 or inv.get("error")
-    assert row["gather_floor_us"] == 40.0 and row["gather_floor_config"]["block_n"] in floor.BLOCK_NS
+    assert row["gather_floor_us"] == 40.0 and row["gather_floor_config"]["block_n"] in floors.BLOCK_NS
     assert row["splitkv_over_floor"] == 40.0 / row["floor_us"]
     assert row["splitkv_over_gather_floor"] == 1.0
     assert row["elapsed_s"] > 0
 
-    q = bench.fp8_problem(p)
+    q = peers.fp8_problem(p)
     assert q.k_buffer.dtype == torch.float8_e4m3fn and (q.k_scale, q.v_scale) == (0.5, 2.0)
     dequant = q.k_buffer.float() * q.k_scale
     assert torch.allclose(dequant, p.k_buffer, rtol=0.07, atol=0.02)
-    row8, _ = bench.bench_row(q, shape, ("splitkv", "extend"), FakeTimer(), 1e12, gather_floor=False,
+    row8, _ = run.bench_row(q, shape, ("splitkv", "extend"), FakeTimer(), 1e12, gather_floor=False,
                               bf16_row=row, bf16_out=outs["splitkv"])
     assert row8["kv_dtype"] == "float8_e4m3fn" and row8["kv_bytes"] * 4 == row["kv_bytes"]
     assert row8["fp8_over_bf16"] == 1.0
@@ -222,9 +324,9 @@ def test_bench_row_wiring_bf16_and_fp8():
 def test_bench_row_records_failures_and_skips(monkeypatch):
     shape = dict(model="tiny", batch=1, prefix=16)
     p = make_problem([16], 4, 4, 2, 64, dtype=torch.float32, device=DEVICE, seed=4)
-    monkeypatch.setattr(bench, "FLEX_MAX_ELEMENTS", 1)  # flex: skipped at every shape
-    monkeypatch.setattr(bench, "verify_splitkv_fwd", lambda *a, **k: False)  # the drop-in declines
-    row, outs = bench.bench_row(p, shape, ("splitkv", "extend", "flex"), FakeTimer(), 1e12, gather_floor=False)
+    monkeypatch.setattr(peers, "FLEX_MAX_ELEMENTS", 1)  # flex: skipped at every shape
+    monkeypatch.setattr(peers, "verify_splitkv_fwd", lambda *a, **k: False)  # the drop-in declines
+    row, outs = run.bench_row(p, shape, ("splitkv", "extend", "flex"), FakeTimer(), 1e12, gather_floor=False)
     assert row["impls"]["splitkv"]["graph"] is None
     assert "declined" in row["impls"]["splitkv"]["error"]
     assert "flex" in row["impls"]["flex"]["skipped"] or "2^31" in row["impls"]["flex"]["skipped"]
@@ -234,25 +336,25 @@ def test_bench_row_records_failures_and_skips(monkeypatch):
 
 def test_make_impl_invariant_passes_split_tokens(monkeypatch):
     seen = {}
-    monkeypatch.setattr(bench, "verify_splitkv_fwd", lambda *a, **k: seen.update(k) or True)
+    monkeypatch.setattr(peers, "verify_splitkv_fwd", lambda *a, **k: seen.update(k) or True)
     p = make_problem([16], 4, 4, 2, 64, dtype=torch.float32, device=DEVICE, seed=5)
-    assert bench.make_impl("splitkv_invariant", p, p.new_output())() is True
-    assert seen["split_tokens"] == bench.INVARIANT_SPLIT_TOKENS == 1024 and seen["max_bs"] == 1
+    assert peers.make_impl("splitkv_invariant", p, p.new_output())() is True
+    assert seen["split_tokens"] == peers.INVARIANT_SPLIT_TOKENS == 1024 and seen["max_bs"] == 1
 
 
 def test_flex_skip_rule():
     """Skipped exactly where flex failed to compile in the committed H200 run."""
     def problem(model, bs, prefix):
-        s = bench.MODEL_SHAPES[model]
+        s = run.MODEL_SHAPES[model]
         # Shapes only: a stand-in with the fields skip_reason reads.
         return type("P", (), dict(batch_size=bs, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                                   prefix_lens=[prefix], extend_lens=[4]))()
 
-    assert bench.skip_reason("flex", problem("llama3-8b", 32, 65536))
-    assert bench.skip_reason("flex", problem("qwen3-32b", 32, 65536))
-    assert not bench.skip_reason("flex", problem("qwen3-next", 32, 65536))
-    assert not bench.skip_reason("flex", problem("llama3-8b", 32, 16384))
-    assert not bench.skip_reason("sdpa", problem("llama3-8b", 32, 65536))
+    assert peers.skip_reason("flex", problem("llama3-8b", 32, 65536))
+    assert peers.skip_reason("flex", problem("qwen3-32b", 32, 65536))
+    assert not peers.skip_reason("flex", problem("qwen3-next", 32, 65536))
+    assert not peers.skip_reason("flex", problem("llama3-8b", 32, 16384))
+    assert not peers.skip_reason("sdpa", problem("llama3-8b", 32, 65536))
 
 
 def test_run_benchmark_loop_on_cpu(monkeypatch, tmp_path):
@@ -261,18 +363,18 @@ def test_run_benchmark_loop_on_cpu(monkeypatch, tmp_path):
 
     from splitkv.testing import HeadShape
 
-    cpu_problem = bench.make_problem
+    cpu_problem = run.make_problem
 
     def make(*args, **kw):  # the interpreter: float32 on the CPU, not bf16 on a GPU
         return cpu_problem(*args, **dict(kw, dtype=torch.float32, device=DEVICE))
 
-    monkeypatch.setattr(bench, "make_problem", make)
-    monkeypatch.setattr(bench, "MODEL_SHAPES", {"tiny": HeadShape("tiny", 4, 2, 64)})
-    monkeypatch.setattr(bench, "measure_read_bandwidth", lambda: 1e12)
+    monkeypatch.setattr(run, "make_problem", make)
+    monkeypatch.setattr(run, "MODEL_SHAPES", {"tiny": HeadShape("tiny", 4, 2, 64)})
+    monkeypatch.setattr(run, "measure_read_bandwidth", lambda: 1e12)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"multi_processor_count": 132}))
     out = tmp_path / "run.json"
-    result = bench.run_benchmark(["tiny"], [1, 2], [32], ("splitkv", "extend", "sdpa"),
+    result = run.run_benchmark(["tiny"], [1, 2], [32], ("splitkv", "extend", "sdpa"),
                                  timer=FakeTimer(), out_path=str(out), progress=False, gather_floor=False)
     saved = json.loads(out.read_text())
     assert saved == json.loads(json.dumps(result))
@@ -284,11 +386,11 @@ def test_run_benchmark_loop_on_cpu(monkeypatch, tmp_path):
         assert (r["k_scale"], r["v_scale"]) == (0.5, 2.0)
     assert all(r["splitkv_over_floor"] == 40.0 / r["floor_us"] for r in rows)
     assert saved["device"] == "NVIDIA H200" and saved["elapsed_s"] > 0
-    bench.format_markdown(saved)
+    report.format_markdown(saved)
 
 
 def test_host_timer_on_cpu():
-    t = bench.Timer(host_calls=1000)
+    t = timing.Timer(host_calls=1000)
     assert 0 < t.host(lambda: None) < 1000
 
 
@@ -296,8 +398,8 @@ def test_host_timer_bursts_and_pins(monkeypatch):
     """Calls go back to back in bursts (one synchronisation after each), on the fastest CPU; the thread's
     CPU set is restored afterwards."""
     syncs, seen = [], []
-    monkeypatch.setattr(bench, "_sync", lambda: syncs.append(1))
-    t = bench.Timer(host_calls=100, host_burst=20)
+    monkeypatch.setattr(timing, "_sync", lambda: syncs.append(1))
+    t = timing.Timer(host_calls=100, host_burst=20)
     before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     t.host(lambda: seen.append(os.sched_getaffinity(0) if before is not None else None))
     assert len(seen) == 101 and len(syncs) == 1 + 5  # after the warm-up call, then after each burst of 20
@@ -308,11 +410,11 @@ def test_host_timer_bursts_and_pins(monkeypatch):
     assert pick["cpu"] in before and 0 < pick["ref_us"] <= pick["slowest_ref_us"]
     assert all(cpus == {pick["cpu"]} for cpus in seen[1:])  # the timed calls ran pinned
     assert os.sched_getaffinity(0) == before
-    unpinned = bench.Timer(host_calls=10, host_pin=False)
+    unpinned = timing.Timer(host_calls=10, host_pin=False)
     unpinned.host(lambda: None)
     assert unpinned.last_host_cpu is None
     with pytest.raises(ValueError):
-        bench.Timer(host_burst=0)
+        timing.Timer(host_burst=0)
 
 
 def test_host_timer_is_a_median_of_calls_timed_alone():
@@ -321,13 +423,13 @@ def test_host_timer_is_a_median_of_calls_timed_alone():
 
     calls = iter(range(10**6))
     stall = lambda: time.sleep(0.05) if next(calls) == 40 else None  # the warm-up call is number 0
-    t = bench.Timer(host_calls=100)
+    t = timing.Timer(host_calls=100)
     assert t.host(stall) < 100  # µs; one mean over the 100 calls would be >= 500
     assert next(calls) == 101  # the warm-up call and 100 timed ones
-    assert bench.Timer(host_calls=50).host(lambda: time.sleep(0.002)) >= 2000
+    assert timing.Timer(host_calls=50).host(lambda: time.sleep(0.002)) >= 2000
     for bad in (dict(host_calls=0), dict(host_rounds=0)):
         with pytest.raises(ValueError):
-            bench.Timer(**bad)
+            timing.Timer(**bad)
 
 
 # ---- Tables and plots on a synthetic result --------------------------------------------------------
@@ -372,8 +474,8 @@ def synthetic_result():
     return dict(
         device="NVIDIA H200", num_sms=132, torch="2.11.0", triton="3.6.0", python="3.12.3",
         date="2026-12-01", read_bandwidth=4.25e12, draft_tokens=4, dtype="bfloat16",
-        kv_dtypes=list(bench.KV_DTYPES), fp8_scales=dict(k_scale=0.5, v_scale=2.0),
-        invariant_split_tokens=1024, implementations=dict(bench.IMPL_HELP),
+        kv_dtypes=list(run.KV_DTYPES), fp8_scales=dict(k_scale=0.5, v_scale=2.0),
+        invariant_split_tokens=1024, implementations=dict(peers.IMPL_HELP),
         timing=dict(warmup_ms=5.0, rep_ms=25.0, host_calls=1000, host_rounds=2, host_max_graph_us=500.0,
                     eager_impls=["splitkv", "sdpa"]),
         elapsed_s=10.0, rows=rows,
@@ -381,7 +483,7 @@ def synthetic_result():
 
 
 def test_format_markdown():
-    md = bench.format_markdown(synthetic_result())
+    md = report.format_markdown(synthetic_result())
     tables = [line for line in md.splitlines() if line.startswith("|") and not line.startswith("|---")]
     widths = {line.count("|") - 1 for line in tables}
     assert max(widths) <= 9, widths
@@ -403,15 +505,15 @@ def test_format_markdown():
 def test_rows_carried_from_another_run_are_marked():
     result = synthetic_result()
     result["rows"][-1]["carried_from"] = "the run of 2026-12-01 at commit abc1234"
-    md = bench.format_markdown(result)
-    shape = bench._shape(result["rows"][-1])
+    md = report.format_markdown(result)
+    shape = report._shape(result["rows"][-1])
     assert shape.endswith(" †") and f"| {shape} |" in md
     assert "† not measured in this run; carried over from the run of 2026-12-01 at commit abc1234." in md
-    assert " †" not in bench._shape(result["rows"][0])
+    assert " †" not in report._shape(result["rows"][0])
 
 
 def test_format_table():
-    text = bench.format_table(synthetic_result())
+    text = report.format_table(synthetic_result())
     assert "gather floor" in text and "fp8 ÷ bf16" in text and "invariant" in text
     line = next(x for x in text.splitlines() if x.startswith("llama3-8b bs1 4k") and "fail" in x)
     assert re.search(r"19\.5\s+21\.5\s+58\.5\s+195\.0\s+fail\s+97\.5$", line)
@@ -427,17 +529,17 @@ def test_tables_read_the_old_result_format():
     old["rows"] = old["rows"][:2]
     for key in ("timing", "fp8_scales", "kv_dtypes", "invariant_split_tokens", "elapsed_s"):
         del old[key]
-    md = bench.format_markdown(old)
+    md = report.format_markdown(old)
     assert "fp8 KV pool" not in md
     assert "| llama3-8b bs1 4k | 15.6 | – |" in md
-    bench.format_table(old)
+    report.format_table(old)
 
 
 def test_plots_with_failures_and_fp8(tmp_path):
     pytest.importorskip("matplotlib")
-    from splitkv.plots import IMPL_STYLE, plot_benchmark
+    from splitkv.bench.plots import IMPL_STYLE, plot_benchmark
 
-    assert set(bench.IMPLEMENTATIONS) <= set(IMPL_STYLE)
+    assert set(peers.IMPLEMENTATIONS) <= set(IMPL_STYLE)
     result = synthetic_result()
     paths = plot_benchmark(result, str(tmp_path), tag="test")
     assert [os.path.basename(p) for p in paths] == ["roofline_test.png", "speedup_test.png"]
@@ -457,44 +559,41 @@ def test_cli_help_exits_0():
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     for needle in ("CUDA GPU", "python -m splitkv demo", "--quick", "minutes", "benchmark_<gpu>.json",
-                   "(default: 1 8 32)", "tokens per sequence", "splitkv_invariant", "split_tokens=1024"):
+                   "(default: 1 8 32)", "tokens per sequence", "splitkv_invariant", "split_tokens=1024",
+                   "--small", "reduced grid"):
         assert needle in text, needle
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU message")
 def test_cli_without_gpu_points_to_demo():
     with pytest.raises(SystemExit) as exc:
-        bench.main([])
+        run.main([])
     assert "python -m splitkv demo" in str(exc.value.code)
 
 
 def test_breadth_window_baseline_reads_the_same_slots():
     """The window row's plain call: each prefix's last n keys, from the same pool slots."""
-    from splitkv import bench_breadth
-
     p = make_problem([70, 33, 97], 4, 4, 2, 16, dtype=torch.float16, device=DEVICE, seed=5)
-    q = bench_breadth.last_keys(p, 32)
+    q = breadth.last_keys(p, 32)
     assert q.kv_indptr.tolist() == [0, 32, 64, 96] and q.prefix_lens == [32] * 3
     ends = p.kv_indptr[1:].tolist()
     assert q.kv_indices.tolist() == sum((p.kv_indices[e - 32:e].tolist() for e in ends), [])
     assert q.kv_bytes * sum(p.prefix_lens) == p.kv_bytes * 96
     assert q.k_buffer is p.k_buffer and q.kv_indices.dtype == p.kv_indices.dtype
     with pytest.raises(ValueError, match="at least 34 keys"):
-        bench_breadth.last_keys(p, 34)
+        breadth.last_keys(p, 34)
 
 
 def test_breadth_markdown_from_a_result():
     """The breadth benchmark's tables come from its result record (every row, its numbers)."""
-    from splitkv import bench_breadth
-
     row = dict(model="llama3-8b", batch=8, prefix=16384, kv_bytes=536_870_912, token_us=150.0, token_pct_bw=85.2)
-    for g in bench_breadth.PAGE_SIZES:
+    for g in breadth.PAGE_SIZES:
         row[f"page{g}_us"], row[f"page{g}_pct_bw"] = 140.0 + g, 90.0
     result = dict(device="GPU X", date="2026-11-30", torch="t", triton="tr", read_bandwidth=4.2e12,
                   elapsed_s=12.0, paged=[row],
                   features=[dict(shape="gemma2-9b-capped", batch=8, prefix=65536, features={"logit_cap": 50.0},
                                  feature_us=120.0, plain_prefix=65536, plain_us=100.0, ratio=1.2)])
-    md = bench_breadth.format_markdown(result)
+    md = breadth.format_markdown(result)
     assert "| llama3-8b | 16k | 537 | 150.0 (85 %) | 156.0 (90 %) | 204.0 (90 %) |" in md
     assert "| gemma2-9b-capped | 64k | logit_cap=50.0 | 120.0 | 100.0 (65536) | 1.20 |" in md
     assert "GPU X, 2026-11-30" in md

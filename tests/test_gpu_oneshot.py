@@ -20,7 +20,7 @@ import torch
 
 from conftest import CUDA, all_counters_zero, assert_close, assert_matches_reference, gpu, last_plan
 from splitkv import VerifySplitKV, verify_attention, verify_splitkv_fwd, workspace_bytes
-from splitkv.kernel import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE
+from splitkv.schedule import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE
 from splitkv.testing import MODEL_SHAPES, make_problem, paged_problem, reference_attention, reference_for
 from splitkv.testing.graphs import capture_graph
 
@@ -109,7 +109,7 @@ def test_graph_replay_with_a_caller_workspace(model, bs, one_launch):
     out = p.new_output()
     graph = capture_graph(lambda: plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=out))
     _check_replays(p, graph, out)
-    assert int(torch.count_nonzero(runner._ws_counters)) == 0
+    assert int(torch.count_nonzero(runner._workspace.counters)) == 0
 
 
 # --- concurrency and repeatability ------------------------------------------------
@@ -181,7 +181,7 @@ def test_fused_and_spread_merge_paths(n_splits, one_launch):
     plan.run(*p.args(out)[:3], *p.args(out)[4:6], out=out)
     torch.cuda.synchronize()
     assert_matches_reference(out, p)
-    assert int(torch.count_nonzero(runner._ws_counters)) == 0
+    assert int(torch.count_nonzero(runner._workspace.counters)) == 0
 
 
 # --- sizes and layouts ------------------------------------------------------------
@@ -371,7 +371,7 @@ def test_counters_first_allocated_inside_a_capture():
     stream sharing a pool that held garbage; replay the second graph first, then the first.
     Captured launches take counters of their own from the arena zeroed before the capture
     (none are allocated inside it, nor shared with the capture stream's eager calls)."""
-    from splitkv import runner as runner_mod
+    from splitkv import workspace as workspace_mod
 
     p = model_problem("llama3-8b", [6000] * 4)
     stream = torch.cuda.Stream()
@@ -394,7 +394,7 @@ def test_counters_first_allocated_inside_a_capture():
             verify_splitkv_fwd(*p.args(o), **p.kwargs(), max_bs=4)
     torch.cuda.synchronize()
     key = (torch.cuda.current_device(), stream.cuda_stream)
-    assert key not in runner_mod._COUNTERS, "a capture took the stream's eager counters"
+    assert key not in workspace_mod._COUNTERS, "a capture took the stream's eager counters"
     assert last_plan().fused, "the captures fell back to a second merge launch"
     graphs[1].replay()
     graphs[0].replay()

@@ -17,8 +17,8 @@ import triton.language as tl
 import splitkv
 from conftest import CUDA, assert_close, gpu
 from splitkv import VerifyError, VerifySplitKV, check_device_errors, verify_attention, verify_splitkv_fwd
-from splitkv.kernel import TileConfig
-from splitkv.runner import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE
+from splitkv.schedule import TileConfig
+from splitkv.schedule import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE
 from splitkv.testing import MODEL_SHAPES, make_problem, reference_for
 
 pytestmark = [gpu, pytest.mark.gpu]
@@ -108,8 +108,8 @@ def test_a_merge_wait_on_corrupted_counters_ends(tmp_path):
     script.write_text(textwrap.dedent("""
         import sys, time, torch
         sys.path.insert(0, "tests")
-        import splitkv, splitkv.runner as R
-        from splitkv.kernel import TileConfig
+        import splitkv, splitkv.plan as R
+        from splitkv.schedule import TileConfig
         from test_gpu_safety import model_problem, _layer, _meta
         R.SPIN_LIMIT = 1 << 16
         p = model_problem("qwen3-32b", [4096, 777])
@@ -119,7 +119,7 @@ def test_a_merge_wait_on_corrupted_counters_ends(tmp_path):
                                   workspace=ws, n_splits=8)
         plan = r.plan(*_layer(p), *_meta(p))
         assert plan.merge == R.MERGE_PROGRAMS, plan.merge
-        r._ws_counters[: plan.grid[0]] = -10**6
+        r._workspace.counters[: plan.grid[0]] = -10**6
         t = time.perf_counter()
         plan.run(*_layer(p))
         torch.cuda.synchronize()

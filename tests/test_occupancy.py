@@ -1,4 +1,4 @@
-"""splitkv.occupancy: the plain-Python mirror of the kernels' work split.
+"""splitkv.teaching.occupancy: the plain-Python mirror of the kernels' work split.
 
 Two kinds of checks:
 
@@ -25,8 +25,9 @@ from conftest import (
     scratch_views,
 )
 from splitkv import VerifySplitKV
-from splitkv.kernel import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE
-from splitkv.occupancy import (
+from splitkv import workspace
+from splitkv.schedule import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE
+from splitkv.teaching.occupancy import (
     cdiv,
     extend_programs,
     merge_mode,
@@ -252,16 +253,16 @@ def _run_default_scratch_poisoned(plan, p, monkeypatch):
     """Run ``plan`` with its default per-call scratch, catching that scratch and poisoning it with NaN."""
     caught = []
     size = plan.grid[0] * plan.n_splits * plan.config.block_m * (p.v_head_dim + 1)
-    real_new = type(plan)._new_partials
+    real_new = workspace.new_partials
 
-    def new_partials(self, stream, raw):
-        t, address = real_new(self, stream, False)  # a tensor, whatever the run asked for
+    def new_partials(device, nbytes, stream, raw):
+        t, address = real_new(device, nbytes, stream, False)  # a tensor, whatever the run asked for
         assert t.dtype == torch.float32 and t.shape == (size,) and address == t.data_ptr()
         caught.append(t.fill_(float("nan")))
         return t, address
 
     with monkeypatch.context() as m:
-        m.setattr(type(plan), "_new_partials", new_partials)
+        m.setattr(workspace, "new_partials", new_partials)
         out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
     assert len(caught) == 1, "the run did not allocate its partials as expected"
     return out, caught[0]
@@ -346,7 +347,7 @@ def test_mirror_matches_the_kernel_per_head_layout():
 def test_mirror_matches_the_kernel_several_row_blocks():
     """GROUP 8 x 5 drafts = 40 rows: three 16-row blocks, or one 64-row block on the GPU."""
     p = make_problem([2 * MIN_SPLIT + 9, 3], [5, 2], 8, 1, 16, dtype=torch.float32, device=DEVICE, seed=5)
-    from splitkv.kernel import TileConfig
+    from splitkv.schedule import TileConfig
 
     _check_against_kernel(p, n_splits=3, config=TileConfig(16, 16, 4, 1))
 
@@ -396,11 +397,11 @@ def test_spread_merge_matches_the_mirror(n_splits, dv):
 def _merged_cells(merge, p, block_m, dv, n_splits):
     """[tokens, H_Q, Dv] booleans: the output cells the mirror's merge programs write (2 heads per tile),
     for the runner's block shapes (``GRID_MERGE_*`` in the verify grid, ``MERGE_*`` in a second launch)."""
-    from splitkv import runner
+    from splitkv import schedule
 
     in_grid = merge[0].in_verify_grid
-    chunk_rows = runner.grid_merge_rows(n_splits) if in_grid else runner.MERGE_ROWS
-    width = min(runner.GRID_MERGE_DV if in_grid else runner.MERGE_DV, 1 << (dv - 1).bit_length())
+    chunk_rows = schedule.grid_merge_rows(n_splits) if in_grid else schedule.MERGE_ROWS
+    width = min(schedule.GRID_MERGE_DV if in_grid else schedule.MERGE_DV, 1 << (dv - 1).bit_length())
     cells = torch.zeros(p.num_tokens, 4, dv, dtype=torch.bool)
     for m in merge:
         for r in range(m.row_chunk * chunk_rows, m.row_chunk * chunk_rows + m.rows):
@@ -414,9 +415,9 @@ def test_merge_programs_in_the_verify_grid_match_the_mirror(monkeypatch):
     """Past the last program's limit, merge programs join the verify grid: the grid's axis 1 holds the
     slices and then each tile's merge blocks, the mirror lists as many, and together they cover every
     row of every multi-slice tile; the result equals the oracle and leaves every counter at zero."""
-    import splitkv.runner as runner_module
+    import splitkv.schedule as schedule_module
 
-    monkeypatch.setattr(runner_module, "FUSED_MAX_MERGE", 0)
+    monkeypatch.setattr(schedule_module, "FUSED_MAX_MERGE", 0)
     p = make_problem([5 * MIN_SPLIT + 3, 0, MIN_SPLIT + 1, 9], [3, 2, 4, 1], 4, 2, 40, dtype=torch.float32,
                      device=DEVICE, seed=9)
     runner = VerifySplitKV(4, 2, 40, 40, p.max_len_extend, p.batch_size, DEVICE, n_splits=4)
@@ -459,12 +460,12 @@ def test_fixed_slices_with_a_workspace():
 
 def test_gpu_launch_is_what_the_runner_launches_on_a_gpu(monkeypatch):
     """The notebooks' any-machine view of a GPU launch agrees with the runner under GPU rules."""
-    import splitkv.runner as runner_mod
+    import splitkv.plan as plan_mod
     from splitkv import VerifySplitKV, tuning
     from splitkv.testing import MODEL_SHAPES
 
-    monkeypatch.setattr(runner_mod, "interpreting", lambda: False)
-    monkeypatch.setattr(runner_mod, "min_split_tokens", lambda: tuning.TUNED["min_split_tokens"])
+    monkeypatch.setattr(plan_mod, "interpreting", lambda: False)
+    monkeypatch.setattr(plan_mod, "min_split_tokens", lambda: tuning.TUNED["min_split_tokens"])
     for s in MODEL_SHAPES.values():
         for bs, prefix in ((1, 4096), (8, 16384), (32, 65536)):
             for page_size in (1, 16, 64):
@@ -499,12 +500,12 @@ def test_small_launches_take_one_wave(monkeypatch):
     """With a small-batch tile in the table, batch 1 of an 8-KV-head model gets num_sms // tiles slices
     and that tile (runner and mirror alike); batch 8, and prefixes past SMALL_BATCH_MAX_PREFIX, keep
     the usual schedule."""
-    import splitkv.runner as runner_mod
+    import splitkv.plan as plan_mod
     from splitkv import VerifySplitKV, tuning
     from splitkv.testing import MODEL_SHAPES
 
-    monkeypatch.setattr(runner_mod, "interpreting", lambda: False)
-    monkeypatch.setattr(runner_mod, "min_split_tokens", lambda: tuning.TUNED["min_split_tokens"])
+    monkeypatch.setattr(plan_mod, "interpreting", lambda: False)
+    monkeypatch.setattr(plan_mod, "min_split_tokens", lambda: tuning.TUNED["min_split_tokens"])
     s = MODEL_SHAPES["llama3-8b"]
     r = VerifySplitKV(s.num_q_heads, s.num_kv_heads, s.head_dim, s.head_dim, 4, 8, DEVICE, num_sms=132)
     key = (s.head_dim, r.block_m, 2)

@@ -14,8 +14,8 @@ import torch
 from conftest import (DEVICE, DTYPES, MIN_SPLIT, all_counters_zero, assert_matches_reference, gate_call, last_plan,
                       plan_options)
 from splitkv import VerifyPlan, VerifySplitKV, clear_caches, decline_reason, verify_attention, verify_splitkv_fwd
-from splitkv import runner as runner_module
-from splitkv.runner import pool_offsets_32
+from splitkv import schedule
+from splitkv.schedule import pool_offsets_32
 from splitkv.testing import make_problem, paged_problem
 
 #: Several slices per sequence, one empty prefix, a prefix shorter than a page, ragged drafts.
@@ -46,8 +46,8 @@ def test_64_bit_gather_offsets_give_the_same_bits(page_size, index_dtype, monkey
     p = make_problem(PREFIXES, EXTENDS, 4, 2, 32, dtype=DTYPES[0], device=DEVICE, seed=6, index_dtype=index_dtype)
     pp = paged_problem(p, page_size, seed=3) if page_size > 1 else p
     outs = []
-    for limit in (runner_module.OFFSETS_32_LIMIT, 0):
-        monkeypatch.setattr(runner_module, "OFFSETS_32_LIMIT", limit)
+    for limit in (schedule.OFFSETS_32_LIMIT, 0):
+        monkeypatch.setattr(schedule, "OFFSETS_32_LIMIT", limit)
         clear_caches()
         out = p.new_output()
         assert verify_splitkv_fwd(*pp.args(out), **pp.kwargs())

@@ -1,7 +1,7 @@
 """splitkv.resources: the shared-memory model of the verify kernel, and the tile that fits.
 
 No compiling here: the model is checked against ``splitkv/shared_memory_sm90.json``
-(kernels compiled for sm_90 by ``python -m splitkv.record_resources``) and against
+(kernels compiled for sm_90 by ``python -m splitkv.bench.record_resources``) and against
 the compiled kernels' shared memory that the H200 sweep recorded in ``tuned_h200.json``.
 """
 
@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from splitkv.kernel import TileConfig, block_m_for, tile_config
-from splitkv.record_resources import HEAD_DIMS, KV_DTYPES, TABLE_PATH, sample_points
-from splitkv.resources import (H200_SHARED_MEMORY, device_shared_memory, fit_tile, shared_memory_bytes,
+from splitkv.schedule import TileConfig, block_m_for, tile_config
+from splitkv.bench.record_resources import HEAD_DIMS, KV_DTYPES, TABLE_PATH, sample_points
+from splitkv.resources import (H200_SHARED_MEMORY, device_shared_memory, fit_tile, rope_dim, shared_memory_bytes,
                                shared_memory_reason, tile_candidates)
 from splitkv.testing import MODEL_SHAPES
 from splitkv.tuning import TABLE_PATH as TUNED_PATH
@@ -32,9 +32,11 @@ def _rows():
 
 
 def _model(row, q_dtype=None):
+    """The model at a compiled row, in the layout it was compiled in (the recorded table's: one padded chunk)."""
     cfg = TileConfig(row["block_m"], row["block_n"], row["num_warps"], row["num_stages"], row["k_rows"])
     return shared_memory_bytes(cfg, row["head_dim"], row["v_head_dim"], row["kv_dtype"],
-                               q_dtype or row["q_dtype"], row.get("page_size", 1), row.get("max_len_extend", 4))
+                               q_dtype or row["q_dtype"], row.get("page_size", 1), row.get("max_len_extend", 4),
+                               kv_shared=row.get("kv_shared", False), rope=row.get("rope_dim", 0))
 
 
 def _tuned():
@@ -106,25 +108,85 @@ def test_fit_tile_keeps_the_tuned_tiles(name, kv_dtype, page_size):
     assert shared_memory_reason(cfg, d, d, kv_dtype, BF16, LIMIT, page_size) is None
 
 
+#: The two-chunk layout (``ROPE_DIM``) compiled for sm_90 with Triton 3.9.0: ``compile_shared`` of
+#: ``dict(_point(D, Dv, BLOCK_M, BLOCK_N, warps, stages, False, pool, page, merge, q=queries,
+#: features=features), rope_dim=D - Dv, kv_shared=kv_shared)`` (:mod:`splitkv.bench.record_resources`,
+#: 4 drafts), and the shared memory it reported.
+CHUNKED_COMPILED = [
+    # (D, Dv, BLOCK_M, BLOCK_N, warps, stages, pool, queries, page, merge, features, kv_shared, bytes)
+    (576, 512, 64, 32, 8, 1, "bfloat16", "bfloat16", 1, 1, False, True, 131072),
+    (576, 512, 64, 32, 8, 2, "bfloat16", "bfloat16", 1, 1, False, True, 147584),
+    (576, 512, 64, 64, 8, 1, "bfloat16", "bfloat16", 1, 1, False, True, 147456),
+    (576, 512, 64, 64, 8, 2, "bfloat16", "bfloat16", 1, 1, False, True, 221440),
+    (576, 512, 64, 32, 8, 1, "bfloat16", "bfloat16", 1, 1, False, False, 143360),
+    (576, 512, 64, 32, 8, 2, "bfloat16", "bfloat16", 1, 1, False, False, 213120),
+    (576, 512, 64, 64, 8, 1, "bfloat16", "bfloat16", 1, 1, False, False, 212992),
+    (576, 512, 64, 64, 8, 2, "bfloat16", "bfloat16", 16, 1, False, True, 221200),
+    (576, 512, 64, 64, 8, 2, "bfloat16", "bfloat16", 64, 1, False, True, 221184),
+    (576, 512, 64, 64, 8, 2, "bfloat16", "bfloat16", 1, 1, True, True, 221440),
+    (576, 512, 64, 64, 8, 2, "bfloat16", "bfloat16", 1, 2, False, True, 221440),
+    (576, 512, 64, 64, 8, 2, "bfloat16", "bfloat16", 1, 0, False, True, 221440),
+    (576, 512, 64, 32, 8, 1, "float8_e4m3fn", "bfloat16", 1, 1, False, True, 131072),
+    (576, 512, 64, 32, 8, 2, "float8_e4m3fn", "bfloat16", 1, 1, False, True, 131072),
+    (576, 512, 64, 64, 8, 1, "float8_e4m3fn", "bfloat16", 1, 1, False, True, 147456),
+    (576, 512, 64, 64, 8, 2, "float8_e4m3fn", "bfloat16", 1, 1, False, True, 184576),
+    (576, 512, 64, 32, 8, 1, "float8_e4m3fn", "bfloat16", 1, 1, False, False, 143360),
+    (576, 512, 64, 32, 8, 2, "float8_e4m3fn", "bfloat16", 1, 1, False, False, 178304),
+    (576, 512, 64, 64, 8, 1, "float8_e4m3fn", "bfloat16", 1, 1, False, False, 212992),
+    (576, 512, 64, 64, 8, 2, "float8_e4m3fn", "bfloat16", 16, 1, False, True, 184336),
+    (576, 512, 64, 64, 8, 2, "float8_e4m3fn", "bfloat16", 64, 1, False, True, 184320),
+    (576, 512, 64, 64, 8, 2, "float8_e4m3fn", "bfloat16", 1, 1, True, True, 184576),
+    (576, 512, 64, 64, 8, 2, "float8_e4m3fn", "bfloat16", 1, 2, False, True, 184576),
+    (576, 512, 64, 64, 8, 2, "float8_e4m3fn", "bfloat16", 1, 0, False, True, 184576),
+    (576, 512, 64, 32, 8, 2, "float8_e4m3fn", "bfloat16", 64, 1, False, True, 131072),
+    (576, 512, 64, 64, 4, 2, "bfloat16", "bfloat16", 1, 1, False, True, 221440),
+    (576, 512, 64, 64, 8, 2, "float8_e4m3fn", "float16", 1, 1, False, True, 184576),
+    (576, 512, 64, 16, 8, 1, "float32", "float32", 1, 1, False, True, 184576),
+    (576, 512, 64, 32, 8, 1, "float32", "float32", 1, 1, False, True, 221440),
+    (576, 512, 64, 16, 8, 2, "float32", "float32", 1, 1, False, True, 188736),
+    (576, 512, 64, 16, 8, 1, "float32", "float32", 1, 1, False, False, 217088),
+    (192, 128, 16, 128, 4, 2, "bfloat16", "bfloat16", 1, 1, False, False, 92160),
+    (192, 128, 32, 64, 4, 3, "bfloat16", "bfloat16", 1, 1, False, False, 58368),
+    (192, 128, 16, 128, 4, 2, "float8_e4m3fn", "bfloat16", 1, 1, False, False, 51200),
+    (80, 64, 64, 32, 4, 2, "bfloat16", "bfloat16", 1, 1, False, True, 20608),
+]
+
+
+def test_model_never_underestimates_the_chunked_kernels():
+    """At or above every compiled two-chunk kernel (MLA's 576/512, 192/128, 80/64), and within 40 % of
+    the MLA tiles the plan picks from (64 rows, 8 warps, bf16 or fp8 pools, 32-64 keys, 1-2 stages)."""
+    for d, dv, bm, bn, warps, stages, pool, queries, page, merge, features, shared, compiled in CHUNKED_COMPILED:
+        cfg = TileConfig(bm, bn, warps, stages)
+        model = shared_memory_bytes(cfg, d, dv, pool, queries, page, DRAFTS, kv_shared=shared)
+        assert model >= compiled, (d, bm, bn, warps, stages, pool, page, merge, features, shared, model, compiled)
+        if (d, bm, warps) == (576, 64, 8) and pool != "float32":
+            assert model <= 1.4 * compiled, (bn, stages, pool, page, shared, model, compiled)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("q_heads", [16, 128])
 @pytest.mark.parametrize("kv_dtype", [BF16, FP8])
-def test_mla_fits_or_declines(q_heads, kv_dtype):
-    """MLA (576/512, one KV head): the table's tile does not fit (the reported OutOfResources); the fitted
-    tile is within the limit, keeps BLOCK_M and warps, or there is none and the reason says why."""
-    rows = q_heads * DRAFTS
-    cfg = tile_config(576, 512, rows, kv_bytes=kv_dtype.itemsize)
-    assert cfg.block_m == block_m_for(rows) == 64
-    assert shared_memory_bytes(cfg, 576, 512, kv_dtype, BF16) > LIMIT
-    tile = fit_tile(cfg, 576, 512, kv_dtype, BF16, LIMIT)
-    reason = shared_memory_reason(cfg, 576, 512, kv_dtype, BF16, LIMIT)
-    if tile is None:
-        assert reason.startswith("shared memory: the smallest tile for head dims 1024/512") and str(LIMIT) in reason
-    else:
-        assert reason is None
-        assert shared_memory_bytes(tile, 576, 512, kv_dtype, BF16) <= LIMIT
-        assert (tile.block_m, tile.num_warps, tile.k_rows) == (cfg.block_m, cfg.num_warps, cfg.k_rows)
-    # bf16: 32 keys in one stage (229376 bytes compiled); fp8 needs two query tiles of 128 KB: none fits.
-    assert (tile is None) == (kv_dtype == FP8)
+def test_mla_gets_a_real_tile(q_heads, kv_dtype, page_size):
+    """MLA (576 = 512 + 64 / 512, one KV head, 64-row tiles) in two chunks: its default tile (64 keys, two
+    stages, 8 warps) fits the H200 as it is with V a view of K, bf16 and fp8 pools alike; with V a pool of
+    its own a smaller tile does (32-64 keys, 1-2 stages). Padded to one 1024-wide chunk, as the kernel
+    took it before, the fp8 pool had no tile at all, and bf16 only 32 keys in one stage."""
+    cfg = tile_config(576, 512, q_heads * DRAFTS, kv_bytes=kv_dtype.itemsize, page_size=page_size)
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (64, 64, 8, 2)
+    assert fit_tile(cfg, 576, 512, kv_dtype, BF16, LIMIT, page_size, kv_shared=True) == cfg
+    alone = fit_tile(cfg, 576, 512, kv_dtype, BF16, LIMIT, page_size)
+    assert 32 <= alone.block_n <= 64 and alone.num_stages in (1, 2) and alone.num_warps == 8
+    assert shared_memory_bytes(alone, 576, 512, kv_dtype, BF16, page_size) <= LIMIT
+    padded = [t for t in tile_candidates(cfg)
+              if shared_memory_bytes(t, 576, 512, kv_dtype, BF16, page_size, rope=0) <= LIMIT]
+    assert [(t.block_n, t.num_stages) for t in padded] == ([] if kv_dtype == FP8 else [(32, 1), (16, 2), (16, 1)])
+
+
+def test_rope_dim():
+    """Two chunks where the head is Dv plus a power of two (both at least 16) and not a power of two itself."""
+    pairs = ((576, 512), (192, 128), (80, 64), (320, 256), (96, 64))
+    assert [rope_dim(d, dv) for d, dv in pairs] == [64, 64, 16, 64, 32]
+    assert [rope_dim(d, dv) for d, dv in ((128, 128), (512, 512), (96, 96), (72, 64), (576, 576), (64, 32))] == [0] * 6
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])

@@ -11,8 +11,8 @@ import torch
 
 import splitkv
 from splitkv import VerifyError, VerifySplitKV, check_device_errors, verify_attention, verify_splitkv_fwd
-from splitkv.kernel import TileConfig
-from splitkv.runner import LAST_PROGRAM, MERGE_PROGRAMS
+from splitkv.schedule import TileConfig
+from splitkv.schedule import LAST_PROGRAM, MERGE_PROGRAMS
 from splitkv.testing import make_problem, paged_problem, reference_for
 
 from conftest import DEVICE, assert_close
@@ -162,7 +162,7 @@ def test_corrupted_counters_are_reported_not_silent():
     ws = torch.zeros(need // 4, dtype=torch.int32, device=DEVICE)
     r = _runner(p, workspace=ws, n_splits=3)
     plan = r.plan(*_layer(p), *_meta(p))
-    r._ws_counters.fill_(7)  # what a second stream sharing the workspace could leave
+    r._workspace.counters.fill_(7)  # what a second stream sharing the workspace could leave
     plan.run(*_layer(p))
     with pytest.raises(VerifyError, match="merge counters"):
         check_device_errors(DEVICE)
@@ -170,9 +170,9 @@ def test_corrupted_counters_are_reported_not_silent():
 
 @pytest.mark.parametrize("where", ["tile", "ticket"])
 def test_merge_programs_stop_waiting_on_corrupted_counters(where, monkeypatch):
-    import splitkv.runner as runner_mod
+    import splitkv.plan as plan_mod
 
-    monkeypatch.setattr(runner_mod, "SPIN_LIMIT", 64)
+    monkeypatch.setattr(plan_mod, "SPIN_LIMIT", 64)
     p = _problem()
     need = splitkv.workspace_bytes(p.num_q_heads, p.num_kv_heads, p.v_head_dim, p.max_len_extend,
                                    p.batch_size, 3, block_m=32)
@@ -181,9 +181,9 @@ def test_merge_programs_stop_waiting_on_corrupted_counters(where, monkeypatch):
     plan = r.plan(*_layer(p), *_meta(p))
     assert plan.merge == MERGE_PROGRAMS
     if where == "tile":
-        r._ws_counters[: plan.grid[0]] = -1000  # the slices can never bring it to n_used
+        r._workspace.counters[: plan.grid[0]] = -1000  # the slices can never bring it to n_used
     else:
-        r._ws_counters[plan.grid[0]] = 10**6  # tickets past the grid
+        r._workspace.counters[plan.grid[0]] = 10**6  # tickets past the grid
     plan.run(*_layer(p))  # returns: the wait is bounded
     with pytest.raises(VerifyError, match="merge"):
         check_device_errors(DEVICE)
@@ -282,8 +282,8 @@ def test_a_sub_batch_view_is_served():
 # --- plan caches and launch limits ----------------------------------------------------------
 
 def test_a_cached_plan_rechecks_launch_limits(monkeypatch):
-    import splitkv.runner as runner_mod
-    from splitkv.splits import launch_limit_reason
+    import splitkv.plan as plan_mod
+    from splitkv.schedule import launch_limit_reason
 
     p = _problem(prefix=(300, 77))
     assert verify_splitkv_fwd(*p.args(p.new_output()), **p.kwargs())
@@ -291,7 +291,7 @@ def test_a_cached_plan_rechecks_launch_limits(monkeypatch):
     slots = torch.randint(0, p.k_buffer.shape[0], (477,), device=DEVICE).to(p.kv_indices.dtype)
     longer = p.replace(kv_indices=slots, kv_indptr=torch.tensor([0, 400, 477], device=DEVICE).to(p.kv_indptr.dtype))
     n_plans = len(splitkv.api._CACHES.plans)
-    monkeypatch.setattr(runner_mod, "launch_limit_reason",
+    monkeypatch.setattr(plan_mod, "launch_limit_reason",
                         lambda tiles, n, keys: "launch limit: test" if keys > 400 else launch_limit_reason(tiles, n, keys))
     o = longer.new_output()
     assert verify_splitkv_fwd(*longer.args(o), **longer.kwargs()) is False  # declined, not raised

@@ -1,6 +1,6 @@
 """The split chooser against a golden table worked out by hand.
 
-The rule (splitkv/splits.py), with the defaults programs_per_sm = 2 and
+The rule (splitkv/schedule.py), with the defaults programs_per_sm = 2 and
 min_split_tokens = 128 passed explicitly so the table does not follow the tuning file:
 
     base   = batch x head_tiles             slots = 2 x num_sms
@@ -15,7 +15,7 @@ working. SM counts: 132 (H100/H200), 108 (A100), 78 (H20), 8 (the interpreter's)
 import pytest
 
 from splitkv import choose_n_splits
-from splitkv.splits import MAX_SPLITS, fixed_n_splits
+from splitkv.schedule import MAX_SPLITS, fixed_n_splits
 
 SMS = (132, 108, 78, 8)
 

@@ -1,4 +1,4 @@
-"""The sweep's table (``splitkv/tuned_h200.json``) and how ``python -m splitkv.tune`` updates it.
+"""The sweep's table (``splitkv/tuned_h200.json``) and how ``python -m splitkv.bench.tune`` updates it.
 
 The sweep itself needs a GPU; here its table-keeping is checked with a
 stand-in sweep, and the committed table against the models it must cover.
@@ -10,9 +10,10 @@ import warnings
 import pytest
 import torch
 
-from splitkv import tune, tuning
-from splitkv.bench_breadth import PAGE_SIZES
-from splitkv.kernel import block_m_for, rows_per_tile
+from splitkv import tuning
+from splitkv.bench import tune
+from splitkv.bench.breadth import PAGE_SIZES
+from splitkv.schedule import block_m_for, rows_per_tile
 from splitkv.testing import MODEL_SHAPES
 
 
@@ -152,8 +153,8 @@ def test_a_gpu_without_a_tuned_table_gets_one_notice(monkeypatch, interpreting, 
         warnings.simplefilter("always")
         rows = [tuning._tile_row(128, 16, 2, 1) for _ in range(3)]
     assert all(r is rows[0] for r in rows)
-    notices = [w for w in caught if "splitkv.tune" in str(w.message)]
+    notices = [w for w in caught if "splitkv.bench.tune" in str(w.message)]
     assert len(notices) == (1 if warns else 0)
     if warns:
         text = str(notices[0].message)
-        assert "\n" not in text and name in text and "python -m splitkv.tune --replace" in text
+        assert "\n" not in text and name in text and "python -m splitkv.bench.tune --replace" in text

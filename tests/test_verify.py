@@ -39,8 +39,8 @@ from splitkv import (
     verify_splitkv_fwd,
     workspace_bytes,
 )
-from splitkv.occupancy import min_split_for, n_used
-from splitkv.kernel import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE, TileConfig
+from splitkv.schedule import min_split_for, n_used
+from splitkv.schedule import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE, TileConfig
 from splitkv.testing import make_problem, paged_problem, reference_for, relative_error
 
 
@@ -248,7 +248,7 @@ def test_workspace_serves_every_batch_up_to_max_bs():
         runner(*p.args(out)[:9], custom_mask=p.custom_mask, mask_indptr=p.mask_indptr, is_causal=p.is_causal,
                sm_scale=p.sm_scale)
         assert_matches_reference(out, p)
-        assert all_counters_zero() and int(torch.count_nonzero(runner._ws_counters)) == 0
+        assert all_counters_zero() and int(torch.count_nonzero(runner._workspace.counters)) == 0
     p = make_problem([5] * 4, 4, 4, 2, 32, device=DEVICE)
     with pytest.raises(ValueError, match="max_bs"):
         runner(*p.args(p.new_output())[:9], sm_scale=p.sm_scale)
@@ -379,18 +379,18 @@ def test_plan_refuses_other_dtypes_and_runs_after_release_only_once_rebound():
 def test_runner_grows_in_place_and_outgrown_counters_stay():
     """A larger max_bs raises the cached runner's bound (nothing is sized by it); counter arrays
     that are outgrown stay referenced (CUDA graphs captured with them keep valid addresses)."""
-    from splitkv import runner as runner_mod
+    from splitkv import workspace as workspace_mod
 
     p = make_problem([30], 3, 6, 3, 16, device=DEVICE)
     small = get_runner(p.q_extend, p.k_extend, p.v_extend, 3, max_bs=2)
     big = get_runner(p.q_extend, p.k_extend, p.v_extend, 3, max_bs=64)
     assert big is small and big.max_bs == 64
     assert get_runner(p.q_extend, p.k_extend, p.v_extend, 3, max_bs=5) is big and big.max_bs == 64
-    first = runner_mod.counters(torch.device(DEVICE), 16)
-    grown = runner_mod.counters(torch.device(DEVICE), first.numel() + 1)
+    first = workspace_mod.counters(torch.device(DEVICE), 16)
+    grown = workspace_mod.counters(torch.device(DEVICE), first.numel() + 1)
     assert grown.numel() >= 2 * first.numel() and not grown.count_nonzero()
-    assert any(a is first for a in runner_mod._OUTGROWN)
-    assert runner_mod.counters(torch.device(DEVICE), 16) is grown  # never shrinks
+    assert any(a is first for a in workspace_mod._OUTGROWN)
+    assert workspace_mod.counters(torch.device(DEVICE), 16) is grown  # never shrinks
 
 
 # --- the gate --------------------------------------------------------------
@@ -691,7 +691,7 @@ def test_merge_path_and_shape_invariant_bits(monkeypatch):
     operations, so the merge mode (which follows the batch and the tile) and
     the merge programs' block shapes never change a result.
     """
-    import splitkv.runner as runner_module
+    import splitkv.schedule as schedule_module
 
     p = make_problem(SLICED, SLICED_EXT, 4, 1, 32, mask="tree", sinks=True, device=DEVICE, seed=53)
     shape = (4, 1, 32, 32, p.max_len_extend, p.batch_size)
@@ -699,17 +699,17 @@ def test_merge_path_and_shape_invariant_bits(monkeypatch):
     def run(one_launch, expect, rows_dv=None, grid_rows_dv=None):
         with monkeypatch.context() as m:
             if expect == MERGE_PROGRAMS:
-                m.setattr(runner_module, "FUSED_MAX_MERGE", 0)  # past what the last program merges alone
+                m.setattr(schedule_module, "FUSED_MAX_MERGE", 0)  # past what the last program merges alone
             if rows_dv is not None:
-                m.setattr(runner_module, "MERGE_ROWS", rows_dv[0])
-                m.setattr(runner_module, "MERGE_DV", rows_dv[1])
+                m.setattr(schedule_module, "MERGE_ROWS", rows_dv[0])
+                m.setattr(schedule_module, "MERGE_DV", rows_dv[1])
             if grid_rows_dv is not None:
-                m.setattr(runner_module, "GRID_MERGE_ROWS", grid_rows_dv[0])
-                m.setattr(runner_module, "GRID_MERGE_DV", grid_rows_dv[1])
+                m.setattr(schedule_module, "GRID_MERGE_ROWS", grid_rows_dv[0])
+                m.setattr(schedule_module, "GRID_MERGE_DV", grid_rows_dv[1])
             plan = plan_of(VerifySplitKV(*shape, DEVICE, n_splits=5, one_launch=one_launch), p, return_lse=True)
             assert plan.merge == expect and plan.fused == one_launch and max(slices_used(plan, p)) >= 2
             if expect == MERGE_PROGRAMS:
-                assert plan.grid[1] == 5 + runner_module.merge_chunks(5, plan.config.block_m, 32)
+                assert plan.grid[1] == 5 + schedule_module.merge_chunks(5, plan.config.block_m, 32)
             return run_with_lse(plan, p)
 
     last_o, last_lse = run(True, LAST_PROGRAM)
@@ -739,7 +739,7 @@ def test_caller_workspace_same_bits_as_default(n_splits):
     b = plan_of(default, p).run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
     assert torch.equal(a, b)
     assert_matches_reference(a, p)
-    assert int(torch.count_nonzero(owned._ws_counters)) == 0 and all_counters_zero()
+    assert int(torch.count_nonzero(owned._workspace.counters)) == 0 and all_counters_zero()
     again = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
     assert torch.equal(again, a)  # the workspace's counters were left at zero for the next run
 
@@ -754,11 +754,11 @@ def test_counters_back_to_zero_after_every_call():
         lambda: plan_of(VerifySplitKV(4, 1, 32, 32, 4, 5, DEVICE), p, attend_draft=False).run(
             p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer),
     ]
-    from splitkv import runner as runner_mod
+    from splitkv import workspace as workspace_mod
 
     for call in calls:
         call()
-        assert runner_mod._COUNTERS, "no counters were used"
+        assert workspace_mod._COUNTERS, "no counters were used"
         assert all_counters_zero()
 
 
@@ -786,7 +786,7 @@ def test_property_random_shapes(prefix_lens, extend_len, kv_heads, group, head_d
 def test_counters_for_a_stream_first_seen_inside_a_capture(monkeypatch):
     """No zeroing may be recorded into a graph: a new stream inside a capture takes a
     slice of an arena zeroed earlier, or the plan merges in a second launch."""
-    import splitkv.runner as runner_mod
+    import splitkv.workspace as workspace_mod
 
     p = make_problem([300, 97], 4, 8, 2, 64, dtype=torch.float32, device=DEVICE, seed=11)
     r = VerifySplitKV(8, 2, 64, 64, 4, 2, DEVICE, n_splits=4)
@@ -795,24 +795,24 @@ def test_counters_for_a_stream_first_seen_inside_a_capture(monkeypatch):
         return r.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr,
                       p.kv_indptr, p.kv_indices, sm_scale=p.sm_scale)
 
-    monkeypatch.setattr(runner_mod, "_COUNTERS", {})
-    monkeypatch.setattr(runner_mod, "_ARENAS", {})
-    monkeypatch.setattr(runner_mod, "_capturing", lambda device: True)
+    monkeypatch.setattr(workspace_mod, "_COUNTERS", {})
+    monkeypatch.setattr(workspace_mod, "_ARENAS", {})
+    monkeypatch.setattr(workspace_mod, "capturing", lambda device: True)
     pl = plan()
     assert pl.fused
     out = pl.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer)
     assert not pl.fused, "with no arena to cut from inside a capture, the plan must merge in a second launch"
-    assert not runner_mod._ARENAS, "nothing may be allocated inside a capture"
+    assert not workspace_mod._ARENAS, "nothing may be allocated inside a capture"
     assert_matches_reference(out, p)
 
-    monkeypatch.setattr(runner_mod, "_capturing", lambda device: False)
+    monkeypatch.setattr(workspace_mod, "capturing", lambda device: False)
     plan().run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer)  # eager: the arena is made
-    arena = next(iter(runner_mod._ARENAS.values()))[0]
-    monkeypatch.setattr(runner_mod, "_COUNTERS", {})  # a stream never seen before...
-    monkeypatch.setattr(runner_mod, "_capturing", lambda device: True)  # ...inside a capture
+    arena = next(iter(workspace_mod._ARENAS.values()))[0]
+    monkeypatch.setattr(workspace_mod, "_COUNTERS", {})  # a stream never seen before...
+    monkeypatch.setattr(workspace_mod, "capturing", lambda device: True)  # ...inside a capture
     # A captured launch's counters are its own slice, kept in no per-stream table: catch what it was given.
-    handed, real_counters = [], runner_mod.counters
-    monkeypatch.setattr(runner_mod, "counters", lambda *a, **k: handed.append(real_counters(*a, **k)) or handed[-1])
+    handed, real_counters = [], workspace_mod.counters
+    monkeypatch.setattr(workspace_mod, "counters", lambda *a, **k: handed.append(real_counters(*a, **k)) or handed[-1])
     pl = plan()
     out = pl.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer)
     assert pl.fused, "a slice of the zeroed arena serves the new stream"

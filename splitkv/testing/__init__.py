@@ -5,11 +5,12 @@
   verify problems and the labelled head configurations every table and plot uses;
 * :func:`paged_problem`, :class:`PagedProblem` -- the same problems in a paged pool;
 * :func:`reference_attention`, :func:`reference_for` -- the float64 oracle;
-* :func:`relative_error` -- the error measure the tolerances are written in.
+* :func:`relative_error`, :data:`TOLERANCE`, :data:`ROW_TOLERANCE` -- the error measure and the
+  per-dtype budgets written in it (tests and notebooks use the same).
 """
 
 from .problem import FEATURE_SHAPES, MODEL_SHAPES, HeadShape, PagedProblem, VerifyProblem, make_problem, paged_problem, tree_mask
-from .reference import reference_attention, reference_for, relative_error
+from .reference import ROW_TOLERANCE, TOLERANCE, reference_attention, reference_for, relative_error
 
 __all__ = [
     "make_problem",
@@ -23,4 +24,6 @@ __all__ = [
     "reference_attention",
     "reference_for",
     "relative_error",
+    "TOLERANCE",
+    "ROW_TOLERANCE",
 ]

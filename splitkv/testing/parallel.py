@@ -24,7 +24,7 @@ import torch
 from ..merge import merge_states
 from ..paged import paged_prefix_lens
 from ..parallel import ContextParallelVerify, cp_verify_attention, dist, shard_last_page_len, shard_mask, shard_prefix
-from ..runner import VerifySplitKV
+from ..plan import VerifySplitKV
 from .problem import PagedProblem, make_problem, paged_problem
 
 __all__ = ["shard_problem", "shard_paged_problem", "simulate_context_parallel", "launch_local", "run_cases"]

@@ -244,6 +244,56 @@ def _as_list(value: IntOrList, n: int, what: str) -> list:
     return value
 
 
+def _draft_tensors(randn, n_tok, num_q_heads, num_kv_heads, head_dim, v_head_dim, fused_qkv):
+    """The draft tokens' q, k, v: separate tensors, or views into one fused QKV projection."""
+    if fused_qkv:
+        if v_head_dim != head_dim:
+            raise ValueError("fused_qkv needs v_head_dim == head_dim")
+        qkv = randn(n_tok, (num_q_heads + 2 * num_kv_heads) * head_dim)
+        q, k, v = qkv.split(
+            [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+            dim=1,
+        )
+        q_ext = q.view(n_tok, num_q_heads, head_dim)
+        k_ext = k.view(n_tok, num_kv_heads, head_dim)
+        v_ext = v.view(n_tok, num_kv_heads, head_dim)
+    else:
+        q_ext = randn(n_tok, num_q_heads, head_dim)
+        k_ext = randn(n_tok, num_kv_heads, head_dim)
+        v_ext = randn(n_tok, num_kv_heads, v_head_dim)
+
+    return q_ext, k_ext, v_ext
+
+
+def _indptr(lens, device) -> torch.Tensor:
+    """int32 offsets ``[0, lens[0], lens[0] + lens[1], ...]`` on ``device``."""
+    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    out[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
+    return out.to(device)
+
+
+def _draft_mask(mask, prefix_lens, extend_lens, gen, device):
+    """``(custom_mask, mask_indptr)`` for a chain or random tree of drafts; ``(None, None)`` otherwise."""
+    custom_mask = mask_indptr = None
+    if mask in ("chain", "tree"):
+        blocks = []
+        for p_len, l_ext in zip(prefix_lens, extend_lens):
+            if mask == "chain":
+                parents = list(range(-1, l_ext - 1))
+            else:
+                parents = [-1] + [
+                    int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, l_ext)
+                ]
+            # Row i of a sequence's mask covers [prefix keys | draft keys].
+            rows = torch.ones(l_ext, p_len + l_ext, dtype=torch.bool)
+            rows[:, p_len:] = tree_mask(parents)
+            blocks.append(rows.flatten())
+        custom_mask = torch.cat(blocks).to(device)
+        mask_indptr = _indptr([b.numel() for b in blocks], device).to(torch.int64)
+
+    return custom_mask, mask_indptr
+
+
 def make_problem(
     prefix_lens: Sequence[int],
     extend_lens: IntOrList = 4,
@@ -324,23 +374,7 @@ def make_problem(
     n_tok = sum(extend_lens)
     total_prefix = sum(prefix_lens)
 
-    # Draft-token projections, optionally as views into one fused QKV output.
-    if fused_qkv:
-        if v_head_dim != head_dim:
-            raise ValueError("fused_qkv needs v_head_dim == head_dim")
-        qkv = randn(n_tok, (num_q_heads + 2 * num_kv_heads) * head_dim)
-        q, k, v = qkv.split(
-            [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
-            dim=1,
-        )
-        q_ext = q.view(n_tok, num_q_heads, head_dim)
-        k_ext = k.view(n_tok, num_kv_heads, head_dim)
-        v_ext = v.view(n_tok, num_kv_heads, head_dim)
-    else:
-        q_ext = randn(n_tok, num_q_heads, head_dim)
-        k_ext = randn(n_tok, num_kv_heads, head_dim)
-        v_ext = randn(n_tok, num_kv_heads, v_head_dim)
-
+    q_ext, k_ext, v_ext = _draft_tensors(randn, n_tok, num_q_heads, num_kv_heads, head_dim, v_head_dim, fused_qkv)
     # The token pool: larger than the prefix, the prefix on random slots.
     pool = max(int(math.ceil(total_prefix * pool_factor)), total_prefix + 1)
     k_buffer = randn(pool, num_kv_heads, head_dim, dt=kv_dtype)
@@ -348,36 +382,15 @@ def make_problem(
     kv_indices = torch.randperm(pool, generator=gen)[:total_prefix]
     kv_indices = kv_indices.to(device=device, dtype=index_dtype)
 
-    def indptr(lens):
-        out = torch.zeros(len(lens) + 1, dtype=torch.int32)
-        out[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
-        return out.to(device)
-
-    custom_mask = mask_indptr = None
-    if mask in ("chain", "tree"):
-        blocks = []
-        for p_len, l_ext in zip(prefix_lens, extend_lens):
-            if mask == "chain":
-                parents = list(range(-1, l_ext - 1))
-            else:
-                parents = [-1] + [
-                    int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, l_ext)
-                ]
-            # Row i of a sequence's mask covers [prefix keys | draft keys].
-            rows = torch.ones(l_ext, p_len + l_ext, dtype=torch.bool)
-            rows[:, p_len:] = tree_mask(parents)
-            blocks.append(rows.flatten())
-        custom_mask = torch.cat(blocks).to(device)
-        mask_indptr = indptr([b.numel() for b in blocks]).to(torch.int64)
-
+    custom_mask, mask_indptr = _draft_mask(mask, prefix_lens, extend_lens, gen, device)
     return VerifyProblem(
         q_extend=q_ext,
         k_extend=k_ext,
         v_extend=v_ext,
         k_buffer=k_buffer,
         v_buffer=v_buffer,
-        qo_indptr=indptr(extend_lens),
-        kv_indptr=indptr(prefix_lens),
+        qo_indptr=_indptr(extend_lens, device),
+        kv_indptr=_indptr(prefix_lens, device),
         kv_indices=kv_indices,
         custom_mask=custom_mask,
         mask_indptr=mask_indptr,

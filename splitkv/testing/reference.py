@@ -29,7 +29,16 @@ import torch
 
 from .problem import VerifyProblem
 
-__all__ = ["reference_attention", "reference_for", "relative_error"]
+__all__ = ["reference_attention", "reference_for", "relative_error", "TOLERANCE", "ROW_TOLERANCE"]
+
+#: Relative-error budgets ``||out - ref|| / ||ref||`` against the float64 oracle, per dtype of
+#: the inputs: float32 keeps about 7 digits, float16 about 3, bfloat16 about 2.
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+#: Budgets for the worst single row (max over (token, head) of ``||out_row - ref_row|| /
+#: ||ref_row||``): a row that misses or double-counts a slice is off by far more, so one
+#: wrong row fails even where the global norm hides it.
+ROW_TOLERANCE = {torch.float32: 5e-4, torch.float16: 5e-3, torch.bfloat16: 4e-2}
 
 
 def reference_attention(
@@ -102,22 +111,8 @@ def reference_attention(
             )
             scores = scores * temp[None, :, None]
 
-        visible = torch.ones(n_ext, n_pre + n_ext, dtype=torch.bool, device=q.device)
-        if custom_mask is not None:
-            offset = 0 if window_kv_offsets is None else int(window_kv_offsets[b])
-            m0 = int(mask_indptr[b])
-            width = n_pre + n_ext + offset
-            rows = custom_mask[m0 : m0 + n_ext * width].view(n_ext, width)[:, offset:].bool()
-            if skip_prefix_custom_mask:
-                visible[:, n_pre:] = rows[:, n_pre:]
-            else:
-                visible = rows.clone()
-        elif is_causal:
-            visible[:, n_pre:] = torch.tril(visible[:, n_pre:])
-        if sliding_window_size is not None and sliding_window_size > 0:
-            k_pos = torch.arange(n_pre + n_ext, device=q.device)
-            visible &= q_pos[:, None] <= k_pos[None, :] + sliding_window_size
-
+        visible = _visible(b, n_pre, n_ext, q_pos, custom_mask, mask_indptr, window_kv_offsets,
+                           skip_prefix_custom_mask, is_causal, sliding_window_size)
         scores = scores.masked_fill(~visible[None], float("-inf"))
         logits = scores
         if sinks is not None:
@@ -128,6 +123,28 @@ def reference_attention(
         out[q0:q1] = torch.einsum("hln,nhd->lhd", probs, v_all)
         lse_out[q0:q1] = lse.transpose(0, 1)
     return (out, lse_out) if return_lse else out
+
+
+def _visible(b, n_pre, n_ext, q_pos, custom_mask, mask_indptr, window_kv_offsets, skip_prefix_custom_mask,
+             is_causal, sliding_window_size) -> torch.Tensor:
+    """Which keys ``[prefix | drafts]`` each of sequence ``b``'s draft rows sees: ``[n_ext, n_pre + n_ext]``."""
+    device = q_pos.device
+    visible = torch.ones(n_ext, n_pre + n_ext, dtype=torch.bool, device=device)
+    if custom_mask is not None:
+        offset = 0 if window_kv_offsets is None else int(window_kv_offsets[b])
+        m0 = int(mask_indptr[b])
+        width = n_pre + n_ext + offset
+        rows = custom_mask[m0 : m0 + n_ext * width].view(n_ext, width)[:, offset:].bool()
+        if skip_prefix_custom_mask:
+            visible[:, n_pre:] = rows[:, n_pre:]
+        else:
+            visible = rows.clone()
+    elif is_causal:
+        visible[:, n_pre:] = torch.tril(visible[:, n_pre:])
+    if sliding_window_size is not None and sliding_window_size > 0:
+        k_pos = torch.arange(n_pre + n_ext, device=device)
+        visible &= q_pos[:, None] <= k_pos[None, :] + sliding_window_size
+    return visible
 
 
 def reference_for(problem: VerifyProblem, **overrides):

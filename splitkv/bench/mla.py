@@ -1,0 +1,239 @@
+"""``python -m splitkv.bench.mla``: MLA verify (DeepSeek-V3/R1, Kimi-K2) on the split path (needs a CUDA GPU).
+
+    python -m splitkv.bench.mla            # 18 rows
+    python -m splitkv.bench.mla --quick    # 2 rows, under a minute
+
+DeepSeek-V3's attention verifies its MTP drafts with multi-head latent
+attention: one KV head whose key is 576 wide (512 latent + 64 rope) and
+whose value is the latent itself, so the value pool is a view of the key
+pool (``v_buffer = k_buffer[..., :512]``, likewise the draft block). Rows:
+16 query heads (one rank of eight) and 128 (one rank), batch 1, 8 and 32,
+prefixes 4k, 16k and 64k, 4 draft tokens (a causal chain), bf16, a token
+pool with the prefix on random slots. Columns:
+
+* latent cache MB: the prefix rows, ``batch x prefix x 576 x 2`` bytes;
+* read floor: that cache read once at the read bandwidth measured in the
+  same run (``x.sum()`` over 2 GiB);
+* splitkv µs, timed through a plan (:meth:`splitkv.VerifySplitKV.plan`,
+  then ``run``), and its share of the read bandwidth (floor / time);
+* TFLOPS: ``2 x (576 + 512)`` flops per (query row, visible key), query rows
+  being heads x drafts, visible keys the prefix and the causal drafts;
+* peers, where they apply: :func:`splitkv.extend_attention_fwd` (the extend
+  baseline, which holds a whole head in one tile and so declines heads
+  wider than 256: recorded as skipped, with its reason) and
+  ``scaled_dot_product_attention`` on a dense copy of each sequence's keys
+  (the copy is not timed). Each peer's output is compared with splitkv's
+  (``rel_diff_vs_splitkv``).
+
+Every time is the median of CUDA-graph replays with the L2 flushed
+(the benchmark's ``Timer``). Results go to ``figures/benchmark_mla_<gpu>.json``
+and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from ..extend import extend_attention_fwd
+from ..plan import VerifySplitKV
+from ..testing.problem import VerifyProblem
+from ..testing.reference import relative_error
+
+try:
+    from .timing import Timer, gpu_tag, measure_read_bandwidth
+except ImportError:  # the timer's earlier home
+    from .run import Timer, gpu_tag, measure_read_bandwidth
+
+__all__ = ["LATENT_DIM", "ROPE_DIM", "HEAD_DIM", "ROWS", "QUICK_ROWS", "mla_problem", "latent_bytes", "flops",
+           "bench_row", "format_markdown", "main"]
+
+#: DeepSeek-V3's latent (the value) and rope widths; a key is both.
+LATENT_DIM, ROPE_DIM = 512, 64
+HEAD_DIM = LATENT_DIM + ROPE_DIM
+#: Query heads per rank: 128 (one rank), 16 (one of eight).
+HEADS = (16, 128)
+BATCHES = (1, 8, 32)
+PREFIXES = (4096, 16384, 65536)
+DRAFT_TOKENS = 4
+#: The sweep's rows, ``(query heads, batch, prefix)``.
+ROWS = [(h, b, n) for h in HEADS for b in BATCHES for n in PREFIXES]
+QUICK_ROWS = [(16, 8, 4096), (128, 8, 4096)]
+#: The SDPA peer materialises scores of this many elements at most (its masked path is not fused).
+SDPA_MAX_SCORES = 2**31
+
+
+def mla_problem(heads: int, batch: int, prefix: int, *, device="cuda", dtype=torch.bfloat16,
+                drafts: int = DRAFT_TOKENS, pool_factor: float = 1.1, seed: int = 0) -> VerifyProblem:
+    """A DeepSeek-V3 verify step drawn on ``device``: one KV head of 576, values a view of the keys.
+
+    The pool holds ``pool_factor`` times the batch's prefix keys, the prefixes
+    on random slots; the drafts attend causally. Drawn on the device itself
+    (a 64k x 32 pool would take long to draw on the host).
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    n_tok, keys = batch * drafts, batch * prefix
+    pool = max(int(keys * pool_factor), keys + 1)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+    k_ext, k_buf = randn(n_tok, 1, HEAD_DIM), randn(pool, 1, HEAD_DIM)
+    indptr = lambda n: torch.arange(0, (batch + 1) * n, n, device=device, dtype=torch.int32)  # noqa: E731
+    return VerifyProblem(
+        q_extend=randn(n_tok, heads, HEAD_DIM), k_extend=k_ext, v_extend=k_ext[..., :LATENT_DIM],
+        k_buffer=k_buf, v_buffer=k_buf[..., :LATENT_DIM], qo_indptr=indptr(drafts), kv_indptr=indptr(prefix),
+        kv_indices=torch.randperm(pool, generator=gen, device=device)[:keys], custom_mask=None, mask_indptr=None,
+        is_causal=True, max_len_extend=drafts, k_scale=1.0, v_scale=1.0, sm_scale=HEAD_DIM ** -0.5, sinks=None,
+        prefix_lens=[prefix] * batch, extend_lens=[drafts] * batch)
+
+
+def latent_bytes(p: VerifyProblem) -> int:
+    """Bytes of the prefix's latent cache (576-wide rows, values included): what any kernel reads at least."""
+    return sum(p.prefix_lens) * p.num_kv_heads * p.head_dim * p.k_buffer.element_size()
+
+
+def flops(p: VerifyProblem) -> int:
+    """``2 (D + Dv)`` flops per (query row, visible key): every prefix key, and the causal draft keys."""
+    pairs = sum(n * pre + n * (n + 1) // 2 for pre, n in zip(p.prefix_lens, p.extend_lens))
+    return 2 * (p.head_dim + p.v_head_dim) * p.num_q_heads * pairs
+
+
+def _splitkv(p: VerifyProblem, out: torch.Tensor, rec: dict) -> Callable:
+    """The split path through a plan (made once, as an engine makes it per step); its tile goes into ``rec``."""
+    runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
+                           p.batch_size, out.device)
+    plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
+                       p.kv_indices, is_causal=True, sm_scale=p.sm_scale)
+    rec.update(config=repr(plan.config), n_splits=plan.n_splits, merge=plan.merge, kv_shared=plan.kv_shared)
+    return lambda: plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=out)
+
+
+def _extend(p: VerifyProblem, out: torch.Tensor, rec: dict) -> Callable:
+    args, kw = p.args(out), p.kwargs()
+    return lambda: extend_attention_fwd(*args, **kw)
+
+
+def _sdpa(p: VerifyProblem, out: torch.Tensor, rec: dict) -> Optional[Callable]:
+    """SDPA on a dense ``[B, 1, prefix + L, D]`` copy of each sequence's keys, causal over the drafts."""
+    bs, n_pre, n_ext = p.batch_size, p.prefix_lens[0], p.extend_lens[0]
+    if bs * p.num_q_heads * n_ext * (n_pre + n_ext) > SDPA_MAX_SCORES:
+        rec["skipped"] = f"scores of more than {SDPA_MAX_SCORES} elements"
+        return None
+    slots = p.kv_indices.long().view(bs, n_pre)
+    k = torch.cat([p.k_buffer[slots], p.k_extend.view(bs, n_ext, 1, p.head_dim)], 1).transpose(1, 2).contiguous()
+    q = p.q_extend.view(bs, n_ext, p.num_q_heads, p.head_dim).transpose(1, 2)
+    dense_out = out.view(bs, n_ext, p.num_q_heads, p.v_head_dim)
+    visible = torch.ones(n_ext, n_pre + n_ext, dtype=torch.bool, device=out.device)
+    visible[:, n_pre:] = torch.tril(visible[:, n_pre:])
+    v = k[..., :p.v_head_dim]  # the values are the latent columns, as in the pool
+
+    def sdpa():
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=p.sm_scale,
+                                                             enable_gqa=True)
+        dense_out.copy_(o.transpose(1, 2))
+
+    return sdpa
+
+
+IMPLS = {"splitkv": _splitkv, "extend": _extend, "sdpa": _sdpa}
+
+
+def bench_row(p: VerifyProblem, timer: Timer, bandwidth: float) -> dict:
+    """Time every implementation on one problem; the row's record (times in µs, floors, TFLOPS, errors)."""
+    nbytes = latent_bytes(p)
+    row = dict(heads=p.num_q_heads, batch=p.batch_size, prefix=p.prefix_lens[0], drafts=p.extend_lens[0],
+               latent_mb=nbytes / 1e6, floor_us=nbytes / bandwidth * 1e6, flops=flops(p), impls={})
+    outs: Dict[str, torch.Tensor] = {}
+    for name, make in IMPLS.items():
+        rec: dict = row["impls"].setdefault(name, {})
+        out = p.new_output()
+        try:
+            fn = make(p, out, rec)
+            if fn is None:
+                continue
+            rec["us"] = timer.graph(fn)
+        except NotImplementedError as err:  # a peer that does not serve this head
+            rec["skipped"] = str(err)[:300]
+            continue
+        except Exception as err:  # a peer that cannot run here is reported, not fatal
+            rec["error"] = f"{type(err).__name__}: {err}"[:300]
+            continue
+        fn = None  # drop the closure (the dense copy)
+        rec["pct_bw"] = 100 * row["floor_us"] / rec["us"]
+        rec["tflops"] = row["flops"] / (rec["us"] * 1e-6) / 1e12
+        outs[name] = out
+    for name, out in outs.items():
+        if name != "splitkv" and "splitkv" in outs:
+            row["impls"][name]["rel_diff_vs_splitkv"] = relative_error(out, outs["splitkv"])
+    return row
+
+
+def _cell(rec: dict, key: str, fmt: str) -> str:
+    if key in rec:
+        return format(rec[key], fmt)
+    return "n/a" if "skipped" in rec else "failed" if "error" in rec else "-"
+
+
+def format_markdown(result: dict) -> str:
+    """The rows as a Markdown table, with the run's device and read bandwidth."""
+    lines = [f"MLA verify (DeepSeek-V3: 576 = 512 + 64, one KV head, values a view of the keys, "
+             f"{DRAFT_TOKENS} drafts, bf16, token pool) on the {result['device']}; "
+             f"read bandwidth {result['read_bandwidth'] / 1e9:.0f} GB/s; CUDA-graph replays, median.", "",
+             "| heads | batch | prefix | latent MB | read floor µs | splitkv µs | % read bw | TFLOPS | extend µs "
+             "| sdpa µs | tile |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        ours, ext, sdpa = (r["impls"].get(n, {}) for n in ("splitkv", "extend", "sdpa"))
+        lines.append(f"| {r['heads']} | {r['batch']} | {r['prefix'] // 1024}k | {r['latent_mb']:.1f} "
+                     f"| {r['floor_us']:.1f} | {_cell(ours, 'us', '.1f')} | {_cell(ours, 'pct_bw', '.0f')} "
+                     f"| {_cell(ours, 'tflops', '.1f')} | {_cell(ext, 'us', '.1f')} | {_cell(sdpa, 'us', '.1f')} "
+                     f"| {ours.get('config', '-')}, {ours.get('n_splits', '-')} slices |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m splitkv.bench.mla", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help=f"rows {QUICK_ROWS} only")
+    ap.add_argument("--out", default=None, help="result JSON (default figures/benchmark_mla_<gpu>.json)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("the benchmark needs a CUDA GPU")
+    import triton
+
+    device = torch.cuda.get_device_name()
+    out = args.out or os.path.join("figures", f"benchmark_mla_{gpu_tag(device)}.json")
+    start = time.time()
+    timer = Timer()
+    result = dict(device=device, date=datetime.date.today().isoformat(), torch=torch.__version__,
+                  triton=triton.__version__, python=platform.python_version(),
+                  read_bandwidth=measure_read_bandwidth(), rows=[])
+    rows = QUICK_ROWS if args.quick else ROWS
+    for i, (heads, batch, prefix) in enumerate(rows, 1):
+        p = mla_problem(heads, batch, prefix)
+        result["rows"].append(bench_row(p, timer, result["read_bandwidth"]))
+        del p
+        torch.cuda.empty_cache()
+        ours = result["rows"][-1]["impls"]["splitkv"]
+        print(f"[{time.time() - start:6.1f}s] {i}/{len(rows)} heads {heads} batch {batch} prefix {prefix}: "
+              f"splitkv {ours.get('us', ours.get('error'))}", flush=True)
+    result["elapsed_s"] = time.time() - start
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    md = format_markdown(result)
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
+        f.write(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

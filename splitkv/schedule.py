@@ -1,0 +1,543 @@
+"""The verify launch's arithmetic, in one place.
+
+Everything that decides the shape of a verify launch is here, in plain Python
+on static shapes (no device value is read, so it is safe under CUDA-graph
+capture): the plan launches with it, the gate declines with it, the teaching
+model (:mod:`splitkv.teaching.occupancy`) draws with it, and the kernels
+compute the same slicing on the device (``_tile_slices`` in
+:mod:`splitkv.kernels.common`; ``tests/test_occupancy.py`` checks the two
+agree on the kernel's actual writes).
+
+* **Tiles.** A tile is one sequence, one KV head with all its query heads
+  (GQA packing) and a block of ``BLOCK_M`` query rows: :func:`rows_per_tile`,
+  :func:`block_m_for`, :func:`head_tiles`; the key tile and warps come from
+  the tuned tables (:func:`tile_config`, :mod:`splitkv.tuning`).
+* **Slicing.** Sequence ``b``'s prefix of ``P`` keys is cut into ``n_used``
+  slices of ``split_len`` keys (:func:`slicing`)::
+
+      adaptive:  split_len = max(roundup(cdiv(P, n_splits), BLOCK_N), min_split)
+      fixed:     split_len = split_tokens                   (batch-invariant)
+      n_used   = max(1, cdiv(P, split_len))                 <= n_splits
+
+* **Split counts.** :func:`choose_n_splits` sizes the grid's axis 1 so that
+  the launch fills whole waves of the SMs; :func:`one_wave_n_splits` gives a
+  small launch one program per SM; :func:`fixed_n_splits` serves the
+  batch-invariant mode.
+* **Merge mode.** :func:`merge_mode` says who merges a tile's slices: the
+  tile's last program, merge programs in the same grid, or a second launch.
+* **Limits and sizes.** :func:`launch_limit_reason` (CUDA's grid limits,
+  32-bit positions), :func:`workspace_bytes` (a caller-owned workspace).
+
+The split chooser's rule::
+
+    base    = batch x head_tiles                   programs per slice
+    slots   = programs_per_sm x num_sms            programs the device runs at once
+    useful  = clamp(cdiv(prefix_len, min_split_tokens), 1, MAX_SPLITS)
+    waves(n)      = base x n / slots
+    efficiency(n) = waves(n) / ceil(waves(n))      busy fraction of the last wave
+    n_splits = the smallest n <= useful whose efficiency is within 5 % of the best
+
+Wave quantisation is the point: on an H200 (132 SMs, two programs each), 64
+programs per slice with 4 slices fill 256 of 264 slots in one wave, while 9
+slices need 576 programs, 2.2 waves. ``prefix_len`` need only be
+representative: each sequence's own prefix decides how many slices it uses.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import triton
+
+from .kernels.common import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE
+
+__all__ = [
+    "TileConfig", "tile_config", "rows_per_tile", "block_m_for", "head_tiles",
+    "cdiv", "min_split_for", "slicing", "split_len", "n_used", "split_ranges", "split_keys",
+    "choose_n_splits", "one_wave_n_splits", "fixed_n_splits", "device_sm_count",
+    "merge_mode", "fused_merge_fits", "grid_merge_rows", "grid_merge_block", "merge_launch_block", "merge_chunks",
+    "launch_limit_reason", "LaunchLimitError", "workspace_bytes", "counter_bytes", "pool_offsets_32",
+    "MAX_SPLITS", "MAX_GRID_SPLITS", "SEPARATE_MERGE", "LAST_PROGRAM", "MERGE_PROGRAMS",
+]
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= max(n, 1)``."""
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+def element_size(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype`` (1 for fp8 pools, 2 for 16-bit ones)."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# ---------------------------------------------------------------------------- tiles
+
+
+class TileConfig:
+    """Launch shape of the verify kernel (performance only, never results).
+
+    Attributes:
+        block_m: query rows per tile (a power of two, at least 16).
+        block_n: prefix keys per loop step.
+        num_warps: warps per program.
+        num_stages: software-pipelining depth of the key loop.
+        k_rows: load K tiles as ``[BLOCK_N, D]`` rows and transpose them for
+            the dot (else load them as ``[D, BLOCK_N]``); see the module docstring.
+    """
+
+    __slots__ = ("block_m", "block_n", "num_warps", "num_stages", "k_rows")
+
+    def __init__(self, block_m, block_n, num_warps, num_stages, k_rows=False):
+        self.block_m, self.block_n = block_m, block_n
+        self.num_warps, self.num_stages = num_warps, num_stages
+        self.k_rows = bool(k_rows)
+
+    def __repr__(self):
+        rows = ", k_rows=True" if self.k_rows else ""
+        return (
+            f"TileConfig(block_m={self.block_m}, block_n={self.block_n}, "
+            f"num_warps={self.num_warps}, num_stages={self.num_stages}{rows})"
+        )
+
+    def __eq__(self, other):
+        return isinstance(other, TileConfig) and all(
+            getattr(self, a) == getattr(other, a) for a in self.__slots__
+        )
+
+    def __hash__(self):
+        return hash(tuple(getattr(self, a) for a in self.__slots__))
+
+
+def rows_per_tile(heads_per_tile: int, max_len_extend: int) -> int:
+    """Query rows one (sequence, head tile) needs: heads x draft tokens."""
+    return heads_per_tile * max_len_extend
+
+
+def block_m_for(rows: int) -> int:
+    """``BLOCK_M`` for ``rows`` query rows: a power of two in ``[16, 64]``.
+
+    At least 16 for the tensor cores; at most 64 to bound the fp32
+    accumulator ``BLOCK_M x DV`` (more rows take several row blocks).
+    """
+    return min(64, max(16, triton.next_power_of_2(rows)))
+
+
+def tile_config(head_dim: int, v_head_dim: int, rows: int, interpret: bool = False,
+                kv_bytes: int = 2, page_size: int = 1) -> TileConfig:
+    """Block sizes for a head configuration, from the H200 sweep.
+
+    The table :data:`splitkv.tuning.TUNED` (``python -m splitkv.bench.tune``) holds
+    the fastest ``(BLOCK_N, warps, stages)`` measured per (head dim, rows per
+    tile, pool element size), and per page size for paged pools; a
+    configuration it does not list takes the nearest measured one by head dim
+    and rows; the K layout follows :func:`splitkv.tuning.k_rows`.
+
+    Args:
+        head_dim: query/key head dimension.
+        v_head_dim: value head dimension.
+        rows: query rows per (sequence, head tile), see :func:`rows_per_tile`.
+        interpret: small tiles for the Triton interpreter.
+        kv_bytes: bytes per pool element (2 for 16-bit pools, 1 for fp8).
+        page_size: keys per page of a paged pool (1: a token pool).
+
+    Returns:
+        The :class:`TileConfig`.
+    """
+    from .tuning import tuned_tile
+
+    block_m = block_m_for(rows)
+    if interpret:
+        return TileConfig(block_m, 16, 4, 1)
+    return TileConfig(block_m, *tuned_tile(max(head_dim, v_head_dim), block_m, kv_bytes, page_size))
+
+
+def head_tiles(
+    num_q_heads: int, num_kv_heads: int, max_len_extend: int, block_m: int, pack_gqa: bool = True
+) -> int:
+    """Tiles per sequence (grid axis 0 is ``batch x head_tiles``): head tiles times row blocks.
+
+    With GQA packing a head tile is a KV head whose ``GROUP x L`` query rows
+    are cut into ``cdiv(GROUP x L, block_m)`` row blocks; without packing it is
+    one query head of ``L`` rows. :class:`splitkv.VerifySplitKV` sizes its launches with it.
+    """
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError("num_q_heads must be a positive multiple of num_kv_heads")
+    per_tile = num_q_heads // num_kv_heads if pack_gqa else 1
+    return (num_q_heads // per_tile) * cdiv(per_tile * max_len_extend, block_m)
+
+
+# ---------------------------------------------------------------------------- slicing
+
+
+def min_split_for(block_n: int, min_split_tokens: Optional[int] = None) -> int:
+    """The kernel's ``min_split``: ``min_split_tokens`` rounded up to whole ``block_n`` tiles.
+
+    Args:
+        block_n: the kernel's key tile.
+        min_split_tokens: the shortest slice worth a program (default: the
+            H200 sweep's, ``splitkv.tuning.TUNED["min_split_tokens"]``; the
+            runner uses :func:`splitkv.tuning.min_split_tokens`, which is
+            smaller under the interpreter).
+    """
+    if min_split_tokens is None:
+        from .tuning import TUNED
+
+        min_split_tokens = TUNED["min_split_tokens"]
+    if block_n < 1 or min_split_tokens < 0:
+        raise ValueError("need block_n >= 1 and min_split_tokens >= 0")
+    return cdiv(min_split_tokens, block_n) * block_n
+
+
+def slicing(prefix_len: int, n_splits: int, block_n: int, min_split: Optional[int] = None,
+            split_tokens: Optional[int] = None) -> Tuple[int, int]:
+    """``(split_len, n_used)`` of a prefix of ``prefix_len`` keys, exactly as the kernel computes them.
+
+    Arguments as for :func:`split_len`.
+    """
+    if n_splits < 1 or block_n < 1 or prefix_len < 0:
+        raise ValueError("need n_splits >= 1, block_n >= 1 and prefix_len >= 0")
+    even = cdiv(cdiv(prefix_len, n_splits), block_n) * block_n
+    if split_tokens:
+        step = split_tokens
+    else:
+        step = max(even, min_split_for(block_n) if min_split is None else min_split)
+    used = max(1, cdiv(prefix_len, step)) if step else 1  # step 0: empty prefix, min_split 0
+    if split_tokens and used > n_splits:
+        # The host sizes the grid so that this never binds; the kernel stays exact if it does.
+        step, used = even, n_splits
+    return step, used
+
+
+def split_len(
+    prefix_len: int, n_splits: int, block_n: int, min_split: Optional[int] = None, *,
+    split_tokens: Optional[int] = None,
+) -> int:
+    """Keys per prefix slice (the last used slice may hold fewer).
+
+    Adaptive mode: ``max(roundup(cdiv(prefix_len, n_splits), block_n), min_split)``;
+    fixed-slice mode: ``split_tokens``. Alignment means only a slice's last
+    key tile can be partial; ``min_split`` keeps short prefixes from being cut
+    into slices too short to pay for their program.
+
+    Args:
+        prefix_len: the sequence's prefix keys.
+        n_splits: the grid's slices (axis 1).
+        block_n: the kernel's key tile.
+        min_split: shortest slice, a multiple of ``block_n`` (default
+            :func:`min_split_for`\\ ``(block_n)``, the GPU's); 0 for plain even slices.
+        split_tokens: the fixed slice length (batch-invariant mode) or ``None``.
+    """
+    return slicing(prefix_len, n_splits, block_n, min_split, split_tokens)[0]
+
+
+def n_used(
+    prefix_len: int, n_splits: int, block_n: int, min_split: Optional[int] = None, *,
+    split_tokens: Optional[int] = None,
+) -> int:
+    """Slices of a prefix that get a working program: ``max(1, cdiv(prefix_len, split_len))``.
+
+    At most ``n_splits``; at least 1 (an empty prefix still has a program,
+    which does the draft block). Arguments as for :func:`split_len`.
+    """
+    return slicing(prefix_len, n_splits, block_n, min_split, split_tokens)[1]
+
+
+def split_ranges(
+    prefix_len: int, n_splits: int, block_n: int, min_split: Optional[int] = None, *,
+    split_tokens: Optional[int] = None,
+) -> List[Tuple[int, int]]:
+    """``[lo, hi)`` prefix positions of each of the ``n_splits`` slices.
+
+    Slices ``s < n_used`` are the working ones (all non-empty unless the
+    prefix is empty); slices ``s >= n_used`` are programs that exit at once
+    and are given as the empty range ``(prefix_len, prefix_len)``. Arguments
+    as for :func:`split_len`.
+    """
+    step, used = slicing(prefix_len, n_splits, block_n, min_split, split_tokens)
+    ranges = []
+    for s in range(n_splits):
+        if s < used:
+            ranges.append((min(s * step, prefix_len), min(s * step + step, prefix_len)))
+        else:
+            ranges.append((prefix_len, prefix_len))
+    return ranges
+
+
+def split_keys(
+    prefix_lens: Sequence[int], n_splits: int, block_n: int, min_split: Optional[int] = None, *,
+    split_tokens: Optional[int] = None,
+) -> List[List[int]]:
+    """Prefix keys of every (sequence, slice): ``[batch][n_splits]`` ints (0 for exited slices)."""
+    return [
+        [hi - lo for lo, hi in split_ranges(p, n_splits, block_n, min_split, split_tokens=split_tokens)]
+        for p in prefix_lens
+    ]
+
+
+# ---------------------------------------------------------------------------- split counts
+
+
+#: Upper bound on adaptive slices: bounds the scratch and the merge's work per row.
+MAX_SPLITS = 64
+
+
+#: CUDA's limit on grid axis 1, where the slices go.
+MAX_GRID_SPLITS = 65535
+
+
+#: SM count assumed under the Triton interpreter (no device to ask).
+INTERPRETER_SMS = 8
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_sm_count(device) -> int:
+    """Streaming multiprocessors of ``device`` (a static property, cached)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_sm_count(index)
+
+
+def choose_n_splits(
+    batch_size: int,
+    head_tiles: int,
+    prefix_len: int,
+    num_sms: int,
+    *,
+    programs_per_sm: int = 2,
+    min_split_tokens: int = 128,
+    max_splits: int = MAX_SPLITS,
+) -> int:
+    """Number of prefix slices per sequence for one verify call.
+
+    Args:
+        batch_size: sequences in the batch.
+        head_tiles: stage-1 programs per sequence and split (KV heads x row
+            tiles with GQA packing; query heads without).
+        prefix_len: representative prefix length (``kv_indices.shape[0] //
+            batch_size``), a Python int read off shapes.
+        num_sms: streaming multiprocessors (:func:`device_sm_count`).
+        programs_per_sm: programs one SM runs at once.
+        min_split_tokens: shortest slice worth a program.
+        max_splits: most slices.
+
+    Returns:
+        An int in ``[1, max_splits]``. Results are cached per
+        ``(batch, head_tiles, cdiv(prefix_len, min_split_tokens), ...)``.
+    """
+    if batch_size < 1 or head_tiles < 1 or num_sms < 1 or programs_per_sm < 1 or min_split_tokens < 1:
+        raise ValueError("batch_size, head_tiles, num_sms, programs_per_sm and min_split_tokens must be positive")
+    useful = max(1, min(-(-int(prefix_len) // min_split_tokens), max_splits))
+    return _choose(batch_size * head_tiles, programs_per_sm * num_sms, useful)
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose(base: int, slots: int, useful: int) -> int:
+    def efficiency(n: int) -> float:
+        waves = base * n / slots
+        return waves / math.ceil(waves)
+
+    best = max(efficiency(n) for n in range(1, useful + 1))
+    return next(n for n in range(1, useful + 1) if efficiency(n) >= 0.95 * best)
+
+
+def one_wave_n_splits(base: int, prefix_len: int, num_sms: int, *, min_split_tokens: int = 128,
+                      max_splits: int = MAX_SPLITS) -> int:
+    """Slices for a small launch: one program per SM, in one wave.
+
+    ``num_sms // base`` slices (``base`` = batch x head tiles), no more than
+    the prefix has ``min_split_tokens`` slices for, at least 1.
+    """
+    useful = max(1, min(-(-int(prefix_len) // min_split_tokens), max_splits))
+    return max(1, min(useful, num_sms // max(1, base)))
+
+
+def fixed_n_splits(max_prefix_len: int, split_tokens: int) -> int:
+    """Grid slices for the fixed-slice (batch-invariant) mode.
+
+    Every sequence's prefix is cut into ``cdiv(n_prefix, split_tokens)``
+    slices whatever the batch; ``cdiv(max_prefix_len, split_tokens)`` slices
+    cover every prefix up to the caller's bound ``max_prefix_len``.
+    """
+    if split_tokens < 1:
+        raise ValueError(f"split_tokens must be positive, got {split_tokens}")
+    return max(1, -(-int(max_prefix_len) // split_tokens))
+
+
+def mean_prefix(kv_len: int, page_size: int, batch_size: int) -> int:
+    """Keys per sequence, on average, of ``kv_len`` entries of ``kv_indices`` (pages of ``page_size`` keys)."""
+    return kv_len * page_size // max(batch_size, 1)
+
+
+# ---------------------------------------------------------------------------- merge mode
+
+
+#: Most partial-output floats (``n_splits x BLOCK_M x Dv``) a tile's last program
+#: merges by itself. Past it that one program's serial read of every slice costs
+#: more than spreading the merge over several programs (docs/benchmarks.md).
+FUSED_MAX_MERGE = 65536
+
+
+#: Largest ``BLOCK_M`` the tile's last program merges: taller tiles merge faster spread.
+FUSED_MAX_BLOCK_M = 16
+
+
+#: Merge programs inside the verify grid (``MERGE_PROGRAMS``) each merge a block of
+#: rows x ``GRID_MERGE_DV`` value columns: ``GRID_MERGE_ROWS[0]`` rows in launches of at
+#: most ``GRID_MERGE_FEW`` slices, else ``GRID_MERGE_ROWS[1]`` (the fastest measured).
+GRID_MERGE_ROWS = (16, 8)
+GRID_MERGE_DV = 64
+GRID_MERGE_FEW = 8
+
+
+#: The second merge launch's program shape (``SEPARATE_MERGE``): tile rows x value columns.
+MERGE_ROWS, MERGE_DV = 4, 32
+
+
+def fused_merge_fits(n_splits: int, block_m: int, v_head_dim: int) -> bool:
+    """Whether a tile's last program merges its slices itself (one launch); see ``FUSED_MAX_MERGE``."""
+    return block_m <= FUSED_MAX_BLOCK_M and n_splits * block_m * v_head_dim <= FUSED_MAX_MERGE
+
+
+def grid_merge_rows(n_splits: int) -> int:
+    """Tile rows per merge program in the verify grid (see ``GRID_MERGE_ROWS``)."""
+    return GRID_MERGE_ROWS[0] if n_splits <= GRID_MERGE_FEW else GRID_MERGE_ROWS[1]
+
+
+def grid_merge_block(n_splits: int, v_head_dim: int) -> Tuple[int, int]:
+    """A merge program's block in the verify grid (``MERGE_PROGRAMS``): (tile rows, value columns)."""
+    return grid_merge_rows(n_splits), min(GRID_MERGE_DV, next_pow2(v_head_dim))
+
+
+def merge_launch_block(v_head_dim: int) -> Tuple[int, int]:
+    """A program's block in the second merge launch (``SEPARATE_MERGE``): (tile rows, value columns)."""
+    return MERGE_ROWS, min(MERGE_DV, next_pow2(v_head_dim))
+
+
+def merge_chunks(n_splits: int, block_m: int, v_head_dim: int) -> int:
+    """Merge programs per tile in the verify grid (``MERGE_PROGRAMS``): blocks of
+    :func:`grid_merge_rows` rows x ``GRID_MERGE_DV`` value columns."""
+    rows, cols = grid_merge_block(n_splits, v_head_dim)
+    return cdiv(block_m, rows) * cdiv(v_head_dim, cols)
+
+
+def merge_mode(n_splits: int, tiles: int, block_m: int, v_head_dim: int, one_launch: bool = True) -> Optional[int]:
+    """Who merges a launch's slices.
+
+    ``None`` for one slice (each tile finishes in registers); with
+    ``one_launch=False``, ``SEPARATE_MERGE`` (a second launch); else
+    ``LAST_PROGRAM`` where :func:`fused_merge_fits`, else ``MERGE_PROGRAMS``
+    (merge programs in the verify grid) while the grid's programs fit CUDA's
+    axis-1 limit and a 32-bit ticket, else ``SEPARATE_MERGE``.
+    """
+    if n_splits == 1:
+        return None
+    if not one_launch:
+        return SEPARATE_MERGE
+    if fused_merge_fits(n_splits, block_m, v_head_dim):
+        return LAST_PROGRAM
+    extra = merge_chunks(n_splits, block_m, v_head_dim)
+    if n_splits + extra <= MAX_GRID_SPLITS and tiles * (n_splits + extra) < 2**31:
+        return MERGE_PROGRAMS
+    return SEPARATE_MERGE
+
+
+# ---------------------------------------------------------------------------- limits and sizes
+
+
+class LaunchLimitError(ValueError):
+    """A launch whose grid or key positions would pass a CUDA or 32-bit limit."""
+
+
+def launch_limit_reason(tiles: int, n_splits: int, keys: int) -> Optional[str]:
+    """Why a verify grid of ``(tiles, n_splits)`` over ``keys`` prefix keys cannot launch, or ``None``.
+
+    Axis 0 (tiles) holds up to ``2^31 - 1`` programs, axis 1 (slices) up to
+    :data:`MAX_GRID_SPLITS`; key positions are 32-bit in the kernel (pool
+    rows, draft rows and mask positions are 64-bit).
+    """
+    if tiles >= 2**31:
+        return f"launch limit: {tiles} tiles exceed CUDA's 2^31 - 1 programs on grid axis 0"
+    if n_splits > MAX_GRID_SPLITS:
+        return f"launch limit: {n_splits} slices exceed CUDA's {MAX_GRID_SPLITS} on grid axis 1"
+    if keys >= 2**31:
+        return f"launch limit: {keys} prefix keys exceed 32-bit positions"
+    return None
+
+
+#: Polls a merge program makes of its tile's counter before it gives up and reports
+#: ``ERR_MERGE_WAIT`` (seconds of polling; a healthy wait ends within a slice's time).
+SPIN_LIMIT = 1 << 24
+
+
+#: Pools whose every element offset is below this gather with 32-bit address arithmetic
+#: (the kernel's ``OFFSETS_32``: fewer registers per gathered row), larger ones with 64-bit.
+OFFSETS_32_LIMIT = 2**31
+
+
+def pool_offsets_32(buf: torch.Tensor) -> bool:
+    """Whether every element of pool ``buf`` lies within :data:`OFFSETS_32_LIMIT` of its start."""
+    return sum((n - 1) * s for n, s in zip(buf.shape, buf.stride())) < OFFSETS_32_LIMIT
+
+
+#: Counters past a launch's tiles that the merge programs' launch uses: the ticket and the exit count.
+GRID_COUNTERS = 2
+
+
+def workspace_bytes(
+    num_q_heads: int,
+    num_kv_heads: int,
+    v_head_dim: int,
+    max_len_extend: int,
+    max_bs: int,
+    max_splits: int = MAX_SPLITS,
+    *,
+    pack_gqa: bool = True,
+    block_m: Optional[int] = None,
+) -> int:
+    """Bytes of a caller-owned workspace for calls of up to ``max_bs`` sequences.
+
+    ``tiles = max_bs x head_tiles`` counters (int32), 2 more for the
+    grid's ticket and exit count, then (from a 16-byte boundary) the partials
+    of ``tiles x max_splits x BLOCK_M`` rows of ``v_head_dim + 1`` float32
+    (output and LSE), where ``BLOCK_M`` is the tile's row count
+    (:func:`block_m_for` of ``GROUP x max_len_extend``) and
+    ``head_tiles = KV heads x ceil(GROUP x max_len_extend / BLOCK_M)``.
+
+    Args:
+        num_q_heads: query heads.
+        num_kv_heads: KV heads.
+        v_head_dim: value head dimension.
+        max_len_extend: most draft tokens per sequence.
+        max_bs: most sequences per call.
+        max_splits: most prefix slices per call (64 in the adaptive mode; in
+            the batch-invariant mode ``cdiv(max_prefix_len, split_tokens)``).
+        pack_gqa: as for :class:`VerifySplitKV`.
+        block_m: the tile's rows if a custom :class:`TileConfig` is used.
+
+    Returns:
+        Bytes (a multiple of 16).
+    """
+    per_tile = num_q_heads // num_kv_heads if pack_gqa else 1
+    block_m = block_m or block_m_for(rows_per_tile(per_tile, max_len_extend))
+    tiles = max_bs * head_tiles(num_q_heads, num_kv_heads, max_len_extend, block_m, pack_gqa)
+    return counter_bytes(tiles) + tiles * max_splits * block_m * (v_head_dim + 1) * 4
+
+
+def counter_bytes(tiles: int) -> int:
+    """Bytes a workspace's counters take for ``tiles`` tiles (int32, ``GRID_COUNTERS`` more), padded to 16."""
+    return -(-(tiles + GRID_COUNTERS) * 4 // 16) * 16
