@@ -5,6 +5,8 @@
 * ``python -m splitkv.bench.breadth`` -- paged pools and score features;
 * ``python -m splitkv.bench.host`` -- host time per call of each entry;
 * ``python -m splitkv.bench.parallel`` -- context parallelism over GPUs;
+* ``python -m splitkv.bench.ladder`` -- the small-batch latency ladder (gather, dots, softmax, partials, merge);
+* ``python -m splitkv.bench.mla`` -- MLA (DeepSeek-style) verify rows;
 * ``python -m splitkv.bench.tune`` -- the tile sweep behind the tuned tables;
 * ``python -m splitkv.bench.record_resources`` -- the shared-memory table behind :mod:`splitkv.resources`.
 

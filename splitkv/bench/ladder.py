@@ -61,10 +61,7 @@ from ..tuning import min_split_tokens
 from .floors import MAX_ACC_REGISTERS, REDUCED_GRID, TOKEN_TOKENS_PER_PROGRAM, search_gather_floor
 from .ladder_kernels import _empty_kernel, _rung_kernel
 
-try:
-    from .timing import Timer, gpu_tag
-except ImportError:
-    from .run import Timer, gpu_tag
+from .timing import Timer, gpu_tag
 
 __all__ = ["Setting", "Rungs", "verify_plan", "search_rung", "ladder_row", "fp8_floor_row", "run_ladder",
            "format_table", "format_markdown", "main", "ROWS", "FP8_ROWS", "RUNG_NAMES"]

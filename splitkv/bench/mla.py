@@ -48,10 +48,7 @@ from ..plan import VerifySplitKV
 from ..testing.problem import VerifyProblem
 from ..testing.reference import relative_error
 
-try:
-    from .timing import Timer, gpu_tag, measure_read_bandwidth
-except ImportError:  # the timer's earlier home
-    from .run import Timer, gpu_tag, measure_read_bandwidth
+from .timing import Timer, gpu_tag, measure_read_bandwidth
 
 __all__ = ["LATENT_DIM", "ROPE_DIM", "HEAD_DIM", "ROWS", "QUICK_ROWS", "mla_problem", "latent_bytes", "flops",
            "bench_row", "format_markdown", "main"]

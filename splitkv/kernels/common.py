@@ -1,8 +1,9 @@
 """Pieces the verify, merge and extend kernels share: score tiles, soft cap, normalisation, slicing.
 
-Exponentials are base 2: scores are pre-multiplied by ``log2(e)`` so that
-``exp`` becomes one ``exp2`` instruction; LSEs are kept in base 2 and turned
-back into natural log (``x ln 2``) only when written out.
+Exponentials are base 2: ``exp(x)`` compiles to ``exp2(x * log2(e))`` anyway,
+so folding ``log2(e)`` into the score scale saves one multiply per score; LSEs
+are kept in base 2 and turned back into natural log (``x ln 2``) only when
+written out.
 """
 
 from __future__ import annotations
