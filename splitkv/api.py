@@ -131,7 +131,8 @@ def _small(t):
 
 
 def _signature(q, k, v, o, kb, vb, qo, kvp, kvi, cm, mi, sinks, last, offsets, scalars):
-    """Everything the gate and the plan depend on, except kv_indices' length and tensor values.
+    """Everything the gate and the plan depend on, except kv_indices' length and tensor values
+    (and addresses, but for whether an MLA head's V is a view of its K).
 
     Of the length, only whether the mean prefix passes ``SMALL_BATCH_MAX_PREFIX`` keys
     (it fixes the plan's tile: :meth:`VerifySplitKV.config`), counted as the plan counts it
@@ -147,6 +148,8 @@ def _signature(q, k, v, o, kb, vb, qo, kvp, kvi, cm, mi, sinks, last, offsets, s
         qo.shape, qo.dtype, qo.get_device(), kvp.shape, kvp.dtype, kvp.get_device(),
         kvi.dim(), kvi.dtype, kvi.get_device(),
         mean_prefix(kvi.shape[0], kb.shape[1] if kb.dim() == 4 else 1, qo.shape[0] - 1) > SMALL_BATCH_MAX_PREFIX,
+        # An MLA plan whose V is a view of K reads V from K's rows: a copy of V needs its own plan.
+        (kb.data_ptr() == vb.data_ptr(), k.data_ptr() == v.data_ptr()) if kb.shape[-1] != vb.shape[-1] else None,
         None if cm is None else (_small(cm), _small(mi)),
         None if sinks is None else _small(sinks),
         None if last is None else _small(last),

@@ -20,7 +20,7 @@ over the split chooser's slice length, timed from CUDA graphs with
 * the device, date and software versions of the sweep.
 
 A key the sweep did not measure takes its :data:`DEFAULT_TILES` entry if it
-has one (a choice made without timing, marked ``measured: False``), else the
+has one (``measured`` says whether it was timed), else the
 nearest measured entry (same pool element size, then nearest head dim, then
 nearest BLOCK_M) for its block sizes, warps and stages, and the K layout the
 kernel was written for (``k_rows=False``): the layout's effect does not carry
@@ -85,15 +85,15 @@ def _notice_if_untuned() -> None:
                       "python -m splitkv.bench.tune --replace (over ten minutes)", stacklevel=3)
 
 
-#: Tiles for keys ``(widest head dim, BLOCK_M, pool bytes per element)`` that no sweep has
-#: measured, chosen from the compiled kernels' registers and shared memory (not timed: ``measured``
-#: is False). A measured row of the same key wins. MLA (576/512, one KV head, 64 rows): the
-#: 64 x 512 float32 accumulator takes 128 registers a thread at 8 warps (at 4 warps the compiled
-#: kernel spills some 13 KB); 64 keys in two stages fit the H200 with the value pool a view of the
-#: key pool (:mod:`splitkv.resources`), and one program fills an SM's shared memory.
+#: Tiles for keys ``(widest head dim, BLOCK_M, pool bytes per element)`` that the table's sweep
+#: does not cover. MLA (576/512, one KV head, 64 rows): 64 keys, 8 warps, 2 stages was the fastest
+#: of ``python -m splitkv.bench.mla --tiles`` (BLOCK_N 32/64 x warps 4/8 x stages 1/2, and 32 keys
+#: in 3 stages) on all four of its rows, bf16 pool, H200 (``figures/mla_tiles_h200.json``): at 8
+#: warps the 64 x 512 float32 accumulator takes 128 registers a thread, at 4 warps the kernel spills
+#: and the same tile runs 1.5-1.8x slower. The fp8 pool's entry is the same tile, not timed (``measured: False``).
 DEFAULT_TILES = {
     (576, 64, kv_bytes): dict(head_dim=576, block_m=64, kv_bytes=kv_bytes, block_n=64, num_warps=8, num_stages=2,
-                              k_rows=False, programs_per_sm=1, measured=False)
+                              k_rows=False, programs_per_sm=1, measured=kv_bytes == 2)
     for kv_bytes in (1, 2)
 }
 

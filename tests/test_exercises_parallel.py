@@ -32,6 +32,10 @@ def _tokens(m, read_us):
     (lambda m, w, s=1.0: solution_prefix_for_speedup(m, w, s) * m.bytes_per_token, "bytes"),
     # no guard for a speedup out of reach: a negative prefix
     (lambda m, w, s=1.0: _tokens(m, ((s - 1) * m.fixed_us + s * m.comm_us) / (1 - s / w)), "inf|>= 0"),
+    # the exchange dropped: a break-even of 0 tokens
+    (lambda m, w, s=1.0: math.inf if s >= w else _tokens(m, (s - 1) * m.fixed_us / (1 - s / w)), "exchange"),
+    # some other slip: the checker says what speedup the answer gives
+    (lambda m, w, s=1.0: math.inf if s >= w else 1.7 * solution_prefix_for_speedup(m, w, s), r"model\.speedup"),
     # microseconds taken as seconds
     (lambda m, w, s=1.0: solution_prefix_for_speedup(m, w, s) * 1e6, "1e6"),
 ])

@@ -234,6 +234,25 @@ def test_a_plan_made_on_views_refuses_separate_values():
         plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, other, out=p.new_output())
 
 
+def test_the_drop_in_plans_again_for_a_copy_of_v():
+    """The drop-in's cached plan for V viewing K is not reused for a V of the same shape and strides
+    in other storage (which that plan would refuse)."""
+    from splitkv import verify_splitkv_fwd
+
+    def strided_copy(view):  # the same values, shape and strides as the view, another tensor's storage
+        whole = torch.full(view.shape[:-1] + (p.head_dim,), float("nan"), dtype=view.dtype, device=view.device)
+        whole[..., :p.v_head_dim] = view
+        return whole[..., :p.v_head_dim]
+
+    for shared in (True, False, True):
+        p = mla_problem(SMALL, dtype=torch.float32, seed=12)
+        if not shared:
+            p = p.replace(v_buffer=strided_copy(p.v_buffer), v_extend=strided_copy(p.v_extend))
+        out = p.new_output()
+        verify_splitkv_fwd(*p.args(out), **p.kwargs())
+        assert_matches_reference(out, p)
+
+
 # --- the gate and the H200's shared memory ----------------------------------------
 
 @pytest.mark.parametrize("shared", [True, False], ids=["view", "copy"])

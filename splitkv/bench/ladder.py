@@ -7,7 +7,7 @@ to that gather, on the verify kernel's own grid and slices
 (:mod:`splitkv.bench.ladder_kernels`), so each step's cost is the difference
 between two rungs:
 
-1. gather: the slice's slots, its K and V rows, summed;
+1. gather: the slice's slots, its K and V rows (their element-wise maximum kept);
 2. + the QK dot (scores, row maxima);
 3. + the online softmax and the PV dot (the slice's state in registers; the
    last slice also takes the draft block);
@@ -174,12 +174,11 @@ def verify_plan(p: VerifyProblem) -> VerifyPlan:
 def _fits(rungs: Rungs, rung: int, s: Setting) -> bool:
     """Whether a setting's key tile fits the registers (else it spills: slower, and slow to compile).
 
-    Rung 1 holds ``BLOCK_N x (D + Dv)`` float32 accumulators, the other rungs the
-    K and V tiles themselves in the pool's dtype; either must fit
-    :data:`splitkv.bench.floors.MAX_ACC_REGISTERS` 32-bit registers per thread.
+    Every rung holds the K and V tiles (or their running maximum) in the pool's dtype,
+    which must fit :data:`splitkv.bench.floors.MAX_ACC_REGISTERS` 32-bit registers per thread.
     """
     p = rungs.p
-    words = 1.0 if rung == 1 else p.k_buffer.element_size() / 4  # registers per tile element
+    words = p.k_buffer.element_size() / 4  # registers per tile element
     width = next_pow2(p.head_dim) + next_pow2(p.v_head_dim)
     return s.block_n * width * words <= MAX_ACC_REGISTERS * 32 * s.num_warps
 

@@ -8,9 +8,12 @@ kernel, found by the same ``_tile_slices``. ``RUNG`` says how much of the
 kernel's work the slice does:
 
 1. gather: load the slice's slots, gather its K and V rows (K in the layout
-   the dot takes), add them up element-wise in float32;
+   the dot takes), keep their element-wise maximum in the pool's dtype (one
+   instruction per pair of elements, and no more registers than the tiles
+   themselves: float32 sums of the tiles held twice as many and made this
+   rung slower than the next);
 2. + the QK dot: the query tile is loaded, scores ``q k^T`` computed and each
-   row's maximum kept (V is still only summed, so that its loads stay);
+   row's maximum kept (V is still only kept as in rung 1, so that its loads stay);
 3. + the online softmax and the PV dot, the slice's state ``(m, l, acc)``
    kept in registers; the last slice's program also attends to the draft
    block, as the verify kernel does;
@@ -118,8 +121,8 @@ def _rung_kernel(
             h = kv_head * GROUP + rows % GROUP
             q = tl.load(Q + (q_start + l).to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh
                         + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        acc_k = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
-        acc_v = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+        acc_k = tl.zeros([BLOCK_D, BLOCK_N], K_Buf.dtype.element_ty)  # rung 1
+        acc_v = tl.zeros([BLOCK_N, BLOCK_DV], V_Buf.dtype.element_ty)  # rungs 1 and 2
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -131,12 +134,12 @@ def _rung_kernel(
                                       kv_head, offs_d, offs_dv, d_ok, dv_ok, stride_kbt, stride_kbh, stride_vbt,
                                       stride_vbh, K_ROWS, OFFSETS_32)
             if RUNG == 1:
-                acc_k += k.to(tl.float32)
-                acc_v += v.to(tl.float32)
+                acc_k = tl.maximum(acc_k, k)
+                acc_v = tl.maximum(acc_v, v)
             elif RUNG == 2:
                 s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
                 m_i = tl.maximum(m_i, tl.max(tl.where(n_ok[None, :], s, float("-inf")), 1))
-                acc_v += v.to(tl.float32)
+                acc_v = tl.maximum(acc_v, v)
             else:
                 m_i, l_i, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), n_ok[None, :], qk_scale,
                                              m_i, l_i, acc, 0.0, m_i, False, False, DOT_PRECISION)
@@ -155,9 +158,9 @@ def _rung_kernel(
             # The checksum: what the rung computed, one float (rows that saw no key add 0 for m).
             m_seen = tl.sum(tl.where(m_i > float("-inf"), m_i, 0.0), 0)
             if RUNG == 1:
-                total = tl.sum(tl.sum(acc_k, 1), 0) + tl.sum(tl.sum(acc_v, 1), 0)
+                total = tl.sum(tl.sum(acc_k.to(tl.float32), 1), 0) + tl.sum(tl.sum(acc_v.to(tl.float32), 1), 0)
             elif RUNG == 2:
-                total = tl.sum(tl.sum(acc_v, 1), 0) + m_seen
+                total = tl.sum(tl.sum(acc_v.to(tl.float32), 1), 0) + m_seen
             else:
                 total = tl.sum(tl.sum(acc, 1), 0) + tl.sum(l_i, 0) + m_seen
             tl.store(Out + program, total)

@@ -2,6 +2,7 @@
 
     python -m splitkv.bench.mla            # 18 rows
     python -m splitkv.bench.mla --quick    # 2 rows, under a minute
+    python -m splitkv.bench.mla --tiles    # the tile sweep: BLOCK_N x warps x stages on SWEEP_ROWS
 
 DeepSeek-V3's attention verifies its MTP drafts with multi-head latent
 attention: one KV head whose key is 576 wide (512 latent + 64 rope) and
@@ -45,13 +46,14 @@ import torch
 
 from ..extend import extend_attention_fwd
 from ..plan import VerifySplitKV
+from ..schedule import TileConfig
 from ..testing.problem import VerifyProblem
 from ..testing.reference import relative_error
 
 from .timing import Timer, gpu_tag, measure_read_bandwidth
 
-__all__ = ["LATENT_DIM", "ROPE_DIM", "HEAD_DIM", "ROWS", "QUICK_ROWS", "mla_problem", "latent_bytes", "flops",
-           "bench_row", "format_markdown", "main"]
+__all__ = ["LATENT_DIM", "ROPE_DIM", "HEAD_DIM", "ROWS", "QUICK_ROWS", "mla_problem", "latent_bytes", "flops_per_byte", "flops",
+           "bench_row", "sweep_tiles", "format_markdown", "main"]
 
 #: DeepSeek-V3's latent (the value) and rope widths; a key is both.
 LATENT_DIM, ROPE_DIM = 512, 64
@@ -64,6 +66,10 @@ DRAFT_TOKENS = 4
 #: The sweep's rows, ``(query heads, batch, prefix)``.
 ROWS = [(h, b, n) for h in HEADS for b in BATCHES for n in PREFIXES]
 QUICK_ROWS = [(16, 8, 4096), (128, 8, 4096)]
+#: The tile sweep's rows: each regime at a small and a large launch.
+SWEEP_ROWS = [(16, 1, 16384), (16, 8, 16384), (128, 1, 16384), (128, 8, 16384)]
+#: The tile sweep's grid, ``(BLOCK_N, warps, stages)``; BLOCK_M is 64 (the 64 x 512 accumulator).
+SWEEP_TILES = [(n, w, s) for n in (32, 64) for w in (4, 8) for s in (1, 2)] + [(32, 8, 3)]
 #: The SDPA peer materialises scores of this many elements at most (its masked path is not fused).
 SDPA_MAX_SCORES = 2**31
 
@@ -98,16 +104,22 @@ def latent_bytes(p: VerifyProblem) -> int:
     return sum(p.prefix_lens) * p.num_kv_heads * p.head_dim * p.k_buffer.element_size()
 
 
+def flops_per_byte(heads: int, drafts: int = DRAFT_TOKENS, element_size: int = 2) -> float:
+    """Arithmetic intensity of the prefix: ``2 (D + Dv)`` flops per (query row, key), ``heads x drafts``
+    rows per key, over the bytes of one ``D``-wide latent row (read once for both dots)."""
+    return 2 * (HEAD_DIM + LATENT_DIM) * heads * drafts / (HEAD_DIM * element_size)
+
+
 def flops(p: VerifyProblem) -> int:
     """``2 (D + Dv)`` flops per (query row, visible key): every prefix key, and the causal draft keys."""
     pairs = sum(n * pre + n * (n + 1) // 2 for pre, n in zip(p.prefix_lens, p.extend_lens))
     return 2 * (p.head_dim + p.v_head_dim) * p.num_q_heads * pairs
 
 
-def _splitkv(p: VerifyProblem, out: torch.Tensor, rec: dict) -> Callable:
+def _splitkv(p: VerifyProblem, out: torch.Tensor, rec: dict, config: Optional[TileConfig] = None) -> Callable:
     """The split path through a plan (made once, as an engine makes it per step); its tile goes into ``rec``."""
     runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
-                           p.batch_size, out.device)
+                           p.batch_size, out.device, config=config)
     plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
                        p.kv_indices, is_causal=True, sm_scale=p.sm_scale)
     rec.update(config=repr(plan.config), n_splits=plan.n_splits, merge=plan.merge, kv_shared=plan.kv_shared)
@@ -174,32 +186,65 @@ def bench_row(p: VerifyProblem, timer: Timer, bandwidth: float) -> dict:
     return row
 
 
+def sweep_tiles(timer: Timer) -> List[dict]:
+    """Time every tile of :data:`SWEEP_TILES` on every row of :data:`SWEEP_ROWS` (a tile that does not
+    compile is recorded with its error); the geometric-mean winner is what ``splitkv.tuning`` should hold."""
+    records = []
+    for heads, batch, prefix in SWEEP_ROWS:
+        p = mla_problem(heads, batch, prefix)
+        for block_n, warps, stages in SWEEP_TILES:
+            rec = dict(heads=heads, batch=batch, prefix=prefix, block_n=block_n, num_warps=warps,
+                       num_stages=stages)
+            try:
+                fn = _splitkv(p, p.new_output(), rec, TileConfig(64, block_n, warps, stages))
+                rec["us"] = timer.graph(fn)
+            except Exception as err:  # out of shared memory or registers: recorded, not fatal
+                rec["error"] = f"{type(err).__name__}: {err}"[:200]
+            print(rec, flush=True)
+            records.append(rec)
+        del p
+        torch.cuda.empty_cache()
+    return records
+
+
 def _cell(rec: dict, key: str, fmt: str) -> str:
     if key in rec:
         return format(rec[key], fmt)
-    return "n/a" if "skipped" in rec else "failed" if "error" in rec else "-"
+    if "error" in rec:
+        return "out of memory" if rec["error"].startswith("OutOfMemoryError") else "failed"
+    return "n/a" if "skipped" in rec else "-"
 
 
 def format_markdown(result: dict) -> str:
-    """The rows as a Markdown table, with the run's device and read bandwidth."""
-    lines = [f"MLA verify (DeepSeek-V3: 576 = 512 + 64, one KV head, values a view of the keys, "
-             f"{DRAFT_TOKENS} drafts, bf16, token pool) on the {result['device']}; "
-             f"read bandwidth {result['read_bandwidth'] / 1e9:.0f} GB/s; CUDA-graph replays, median.", "",
-             "| heads | batch | prefix | latent MB | read floor µs | splitkv µs | % read bw | TFLOPS | extend µs "
-             "| sdpa µs | tile |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    """The rows as a Markdown table under one provenance line (GPU, date, command, read bandwidth)."""
+    tiles = {r["impls"].get("splitkv", {}).get("config") for r in result["rows"]}
+    tile = f" Tile: {tiles.pop()}." if len(tiles) == 1 and None not in tiles else ""
+    lines = [f"{result['device']}, {result.get('date', '-')}, `{result.get('command', 'python -m splitkv.bench.mla')}`"
+             f": DeepSeek-V3 (576 = 512 + 64, one KV head, values a view of the keys), {DRAFT_TOKENS} drafts, "
+             f"bf16, token pool; read bandwidth {result['read_bandwidth'] / 1e9:.0f} GB/s; CUDA-graph replays, "
+             f"median.{tile}", "",
+             "| heads | batch | prefix | latent MB | read floor µs | splitkv µs | % read bw | TFLOPS | slices "
+             "| extend µs | sdpa µs |",
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in result["rows"]:
         ours, ext, sdpa = (r["impls"].get(n, {}) for n in ("splitkv", "extend", "sdpa"))
         lines.append(f"| {r['heads']} | {r['batch']} | {r['prefix'] // 1024}k | {r['latent_mb']:.1f} "
                      f"| {r['floor_us']:.1f} | {_cell(ours, 'us', '.1f')} | {_cell(ours, 'pct_bw', '.0f')} "
-                     f"| {_cell(ours, 'tflops', '.1f')} | {_cell(ext, 'us', '.1f')} | {_cell(sdpa, 'us', '.1f')} "
-                     f"| {ours.get('config', '-')}, {ours.get('n_splits', '-')} slices |")
+                     f"| {_cell(ours, 'tflops', '.0f')} | {ours.get('n_splits', '-')} | {_cell(ext, 'us', '.1f')} "
+                     f"| {_cell(sdpa, 'us', '.1f')} |")
     return "\n".join(lines)
+
+
+def _write(path: str, result: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m splitkv.bench.mla", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"rows {QUICK_ROWS} only")
+    ap.add_argument("--tiles", action="store_true", help="the tile sweep alone (SWEEP_ROWS x SWEEP_TILES)")
     ap.add_argument("--out", default=None, help="result JSON (default figures/benchmark_mla_<gpu>.json)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -211,8 +256,13 @@ def main(argv=None):
     start = time.time()
     timer = Timer()
     result = dict(device=device, date=datetime.date.today().isoformat(), torch=torch.__version__,
+                  command="python -m splitkv.bench.mla" + (" --quick" if args.quick else ""),
                   triton=triton.__version__, python=platform.python_version(),
                   read_bandwidth=measure_read_bandwidth(), rows=[])
+    if args.tiles:
+        result["tile_sweep"] = sweep_tiles(timer)
+        _write(args.out or os.path.join("figures", f"mla_tiles_{gpu_tag(device)}.json"), result)
+        return
     rows = QUICK_ROWS if args.quick else ROWS
     for i, (heads, batch, prefix) in enumerate(rows, 1):
         p = mla_problem(heads, batch, prefix)
@@ -222,10 +272,8 @@ def main(argv=None):
         ours = result["rows"][-1]["impls"]["splitkv"]
         print(f"[{time.time() - start:6.1f}s] {i}/{len(rows)} heads {heads} batch {batch} prefix {prefix}: "
               f"splitkv {ours.get('us', ours.get('error'))}", flush=True)
-    result["elapsed_s"] = time.time() - start
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+        result["elapsed_s"] = time.time() - start
+        _write(out, result)  # after every row: a run cut short keeps what it measured
     md = format_markdown(result)
     with open(os.path.splitext(out)[0] + ".md", "w") as f:
         f.write(md + "\n")

@@ -23,10 +23,21 @@ import torch
 import splitkv  # sets TRITON_INTERPRET=1 when there is no CUDA device
 from splitkv.testing import ROW_TOLERANCE, TOLERANCE
 
-__all__ = ["DEVICE", "FIGURES", "TOLERANCE", "ROW_TOLERANCE", "attend", "merge", "save_figure", "banner", "show_source", "ptx"]
+__all__ = ["DEVICE", "FIGURES", "H200_L2_BYTES", "l2_bytes", "TOLERANCE", "ROW_TOLERANCE", "attend", "merge", "save_figure", "banner", "show_source", "ptx"]
 
 #: Where the notebooks' kernels run: the GPU if there is one, else the Triton interpreter on the CPU.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+#: The H200's L2 cache in bytes, for CPU runs. Source: NVIDIA, "NVIDIA Hopper Architecture In-Depth"
+#: (50 MB L2 on H100 SXM5; the H200 has the same GH100 configuration, 132 SMs). Taken here as 50 MiB.
+H200_L2_BYTES = 50 * 2**20
+
+
+def l2_bytes() -> int:
+    """The L2 cache of the GPU the notebooks run on, or :data:`H200_L2_BYTES` on a CPU."""
+    if DEVICE == "cuda":
+        return torch.cuda.get_device_properties(0).L2_cache_size
+    return H200_L2_BYTES
 
 # The interpreter evaluates masked-off lanes too (0/0 in padding rows); the kernels never
 # use those values, so numpy's warning about them is noise.

@@ -74,11 +74,13 @@ def _hint(got: float, want: float, model: StepModel, world_size: int, speedup: f
         (tokens(speedup * model.comm_us / (1 - speedup / world_size)),
          "the fixed cost is in both times: it enters as (speedup - 1) * fixed_us"),
         (tokens(speedup * model.comm_us * world_size), "solve a + x = s (a + x / W + c) for x exactly"),
+        (tokens((speedup - 1) * model.fixed_us / (1 - speedup / world_size)),
+         "only the W GPUs pay the exchange: it enters as speedup * comm_us"),
     ]
     for value, hint in slips:
         if math.isclose(got, value, rel_tol=1e-6):
             return f" ({hint})"
-    return ""
+    return f" (at your prefix the model gives model.speedup(prefix, {world_size}) = {model.speedup(got, world_size):.3f})"
 
 
 def _call(fn: Callable[..., float], model: StepModel, world_size: int, speedup: float) -> float:
