@@ -183,7 +183,7 @@ class VerifySplitKV:
         return fitted
 
     def n_splits(self, batch_size: int, prefix_len: int, kv_dtype: torch.dtype = torch.bfloat16,
-                 small: Optional[bool] = None, page_size: int = 1) -> int:
+                 small: Optional[bool] = None, page_size: int = 1, block_n: Optional[int] = None) -> int:
         """Grid slices for a batch (static shapes only).
 
         Args:
@@ -195,6 +195,8 @@ class VerifySplitKV:
                 ``batch_size`` and ``prefix_len``.
             page_size: keys per page of a paged pool (1: a token pool); its
                 tile may hold a different number of programs per SM.
+            block_n: the launch's key tile (default: :meth:`config`'s), to which
+                slices are rounded.
 
         Returns:
             The fixed count if one was given; in the batch-invariant mode
@@ -207,14 +209,16 @@ class VerifySplitKV:
             return self._max_splits()
         if small is None:
             small = self._small_batch(batch_size, kv_dtype, prefix_len) is not None
+        if block_n is None:
+            block_n = self.config(kv_dtype, batch_size, prefix_len, page_size).block_n
         if small:
             return one_wave_n_splits(batch_size * self.head_tiles, prefix_len, self.num_sms,
-                                     min_split_tokens=min_split_tokens())
+                                     min_split_tokens=min_split_tokens(), block_n=block_n)
         kv_bytes = element_size(kv_dtype)
         return choose_n_splits(
             batch_size, self.head_tiles, prefix_len, self.num_sms,
             programs_per_sm=programs_per_sm(max(self.head_dim, self.v_head_dim), self.block_m, kv_bytes, page_size),
-            min_split_tokens=min_split_tokens(),
+            min_split_tokens=min_split_tokens(), block_n=block_n,
         )
 
     def plan(
@@ -329,7 +333,7 @@ class VerifyPlan:
         merge: who merges the slices (:func:`merge_mode`; ``None`` for one slice).
         fused: one launch (no merge kernel follows).
         config: the tile shape.
-        scratch_bytes: float32 partials one run needs (0 with one slice).
+        scratch_bytes: bytes of partials one run needs, sized as float32 (0 with one slice).
         offsets_32: whether the pools are small enough for 32-bit gather
             offsets (:data:`OFFSETS_32_LIMIT`).
         kv_shared, draft_shared: a head in two chunks (MLA) whose V is a view
@@ -443,7 +447,8 @@ class VerifyPlan:
     def _size(self, kv_len: int) -> None:
         """Split count, grid and scratch for ``kv_len`` entries of ``kv_indices``."""
         r, bs = self.runner, self.batch_size
-        n_splits = r.n_splits(bs, self._prefix(kv_len), self._kv_dtype, self._small, self.page_size)
+        n_splits = r.n_splits(bs, self._prefix(kv_len), self._kv_dtype, self._small, self.page_size,
+                              self.config.block_n)
         reason = launch_limit_reason(self._tiles, n_splits, kv_len * self.page_size)
         if reason is not None:
             raise LaunchLimitError(reason)

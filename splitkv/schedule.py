@@ -33,9 +33,11 @@ The split chooser's rule::
     base    = batch x head_tiles                   programs per slice
     slots   = programs_per_sm x num_sms            programs the device runs at once
     useful  = clamp(cdiv(prefix_len, min_split_tokens), 1, MAX_SPLITS)
-    waves(n)      = base x n / slots
-    efficiency(n) = waves(n) / ceil(waves(n))      busy fraction of the last wave
-    n_splits = the smallest n <= useful whose efficiency is within 5 % of the best
+    waves(u)      = base x u / slots
+    efficiency(u) = waves(u) / ceil(waves(u))      busy fraction of the last wave
+    used(n)       = slices of n that hold keys, once rounded to whole key tiles (slicing)
+    n_splits = used(n) for the smallest n <= useful with efficiency(used(n)) within 5 % of
+               the best efficiency(n) over n <= useful (else the most efficient used(n))
 
 Wave quantisation is the point: on an H200 (132 SMs, two programs each), 64
 programs per slice with 4 slices fill 256 of 264 slots in one wave, while 9
@@ -321,6 +323,7 @@ def choose_n_splits(
     programs_per_sm: int = 2,
     min_split_tokens: int = 128,
     max_splits: int = MAX_SPLITS,
+    block_n: int = 1,
 ) -> int:
     """Number of prefix slices per sequence for one verify call.
 
@@ -334,36 +337,51 @@ def choose_n_splits(
         programs_per_sm: programs one SM runs at once.
         min_split_tokens: shortest slice worth a program.
         max_splits: most slices.
+        block_n: the kernel's key tile. Slices are whole key tiles
+            (:func:`slicing`), so a count ``n`` may leave programs with nothing
+            to read: 31 slices of a 4096-key prefix in 64-key tiles are 22
+            slices of 192 keys. The rule weighs each ``n`` by the slices that
+            work, and returns that count.
 
     Returns:
-        An int in ``[1, max_splits]``. Results are cached per
-        ``(batch, head_tiles, cdiv(prefix_len, min_split_tokens), ...)``.
+        An int in ``[1, max_splits]``: every slice of a ``prefix_len`` prefix
+        holds keys. Results are cached per argument tuple.
     """
     if batch_size < 1 or head_tiles < 1 or num_sms < 1 or programs_per_sm < 1 or min_split_tokens < 1:
         raise ValueError("batch_size, head_tiles, num_sms, programs_per_sm and min_split_tokens must be positive")
-    useful = max(1, min(-(-int(prefix_len) // min_split_tokens), max_splits))
-    return _choose(batch_size * head_tiles, programs_per_sm * num_sms, useful)
+    useful = _useful(prefix_len, min_split_tokens, max_splits)
+    return _choose(batch_size * head_tiles, programs_per_sm * num_sms, useful, int(prefix_len), block_n,
+                   min_split_for(block_n, min_split_tokens))
+
+
+def _useful(prefix_len: int, min_split_tokens: int, max_splits: int) -> int:
+    """Most slices worth cutting: one per ``min_split_tokens`` keys, within ``[1, max_splits]``."""
+    return max(1, min(-(-int(prefix_len) // min_split_tokens), max_splits))
 
 
 @functools.lru_cache(maxsize=4096)
-def _choose(base: int, slots: int, useful: int) -> int:
-    def efficiency(n: int) -> float:
-        waves = base * n / slots
+def _choose(base: int, slots: int, useful: int, prefix_len: int, block_n: int, min_split: int) -> int:
+    def efficiency(used: int) -> float:
+        waves = base * used / slots
         return waves / math.ceil(waves)
 
-    best = max(efficiency(n) for n in range(1, useful + 1))
-    return next(n for n in range(1, useful + 1) if efficiency(n) >= 0.95 * best)
+    ideal = max(efficiency(n) for n in range(1, useful + 1))  # as if every count's slices held keys
+    working = [slicing(prefix_len, n, block_n, min_split)[1] for n in range(1, useful + 1)]
+    good = [u for u in working if efficiency(u) >= 0.95 * ideal]
+    return good[0] if good else max(working, key=efficiency)
 
 
 def one_wave_n_splits(base: int, prefix_len: int, num_sms: int, *, min_split_tokens: int = 128,
-                      max_splits: int = MAX_SPLITS) -> int:
+                      max_splits: int = MAX_SPLITS, block_n: int = 1) -> int:
     """Slices for a small launch: one program per SM, in one wave.
 
     ``num_sms // base`` slices (``base`` = batch x head tiles), no more than
-    the prefix has ``min_split_tokens`` slices for, at least 1.
+    the prefix has ``min_split_tokens`` slices for, at least 1; then, as in
+    :func:`choose_n_splits`, the count of those slices that hold keys once
+    they are rounded to whole ``block_n`` tiles.
     """
-    useful = max(1, min(-(-int(prefix_len) // min_split_tokens), max_splits))
-    return max(1, min(useful, num_sms // max(1, base)))
+    n = max(1, min(_useful(prefix_len, min_split_tokens, max_splits), num_sms // max(1, base)))
+    return slicing(int(prefix_len), n, block_n, min_split_for(block_n, min_split_tokens))[1]
 
 
 def fixed_n_splits(max_prefix_len: int, split_tokens: int) -> int:
@@ -514,7 +532,7 @@ def workspace_bytes(
     ``tiles = max_bs x head_tiles`` counters (int32), 2 more for the
     grid's ticket and exit count, then (from a 16-byte boundary) the partials
     of ``tiles x max_splits x BLOCK_M`` rows of ``v_head_dim + 1`` float32
-    (output and LSE), where ``BLOCK_M`` is the tile's row count
+    (output and LSE; a bf16 call stores its partial outputs in bf16 and uses half of theirs), where ``BLOCK_M`` is the tile's row count
     (:func:`block_m_for` of ``GROUP x max_len_extend``) and
     ``head_tiles = KV heads x ceil(GROUP x max_len_extend / BLOCK_M)``.
 

@@ -1,7 +1,8 @@
 """Scratch for the verify launch: tile counters and partials.
 
-A call whose prefixes are cut into several slices needs float32 scratch for
-the slices' partial outputs and LSEs, and (when it merges in the same launch)
+A call whose prefixes are cut into several slices needs scratch for the
+slices' partial outputs and LSEs (sized as float32; a bf16 call stores its
+partial outputs in bf16, see :mod:`splitkv.kernels.verify`), and (when it merges in the same launch)
 int32 counters: one per tile, which tells the tile's last program that it is
 last, or its merge programs that the slices are published, and two more for
 the merge programs' tickets and exit count (:func:`splitkv.schedule.merge_mode`).
@@ -66,7 +67,7 @@ def capturing(device: torch.device) -> bool:
 
 def new_partials(device: torch.device, nbytes: int, stream: Optional[int], raw: bool
                  ) -> Tuple[Optional[torch.Tensor], int]:
-    """A run's ``nbytes`` of float32 partials from the caching allocator: ``(tensor, address)``,
+    """A run's ``nbytes`` of partials (a float32 tensor) from the caching allocator: ``(tensor, address)``,
     or with ``raw`` and where the allocator allows, ``(None, address)`` of a raw block on
     ``stream`` that the caller frees with :data:`raw_delete` once its launches are queued."""
     if raw and stream is not None and _raw_alloc is not None and _current_device() == device.index:

@@ -62,7 +62,7 @@ def test_who_merges_solution_passes():
 
 
 @pytest.mark.parametrize("answers, says", [
-    (dict(A="last program", B="last program", C="merge programs"), "B .*131072 floats"),
+    (dict(A="last program", B="last program", C="merge programs"), "B .*131072 values"),
     (dict(A="last program", B="merge programs", C="last program"), "C .*BLOCK_M 32"),
     (dict(A="last program", B="merge programs"), "predict each of"),
     (dict(A="the last one", B="merge programs", C="merge programs"), "is not one of"),

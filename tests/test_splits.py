@@ -8,6 +8,9 @@ min_split_tokens = 128 passed explicitly so the table does not follow the tuning
     eff(n) = w / ceil(w)  with  w = base x n / slots
     answer = the smallest n <= useful with eff(n) >= 0.95 x max(eff(1..useful))
 
+(with the default ``block_n = 1`` every count's slices hold keys; with the kernel's key
+tile the rule weighs each count by its working slices, the last tests below).
+
 Each entry below was computed by hand from that rule; the comment gives the
 working. SM counts: 132 (H100/H200), 108 (A100), 78 (H20), 8 (the interpreter's).
 """
@@ -15,7 +18,7 @@ working. SM counts: 132 (H100/H200), 108 (A100), 78 (H20), 8 (the interpreter's)
 import pytest
 
 from splitkv import choose_n_splits
-from splitkv.schedule import MAX_SPLITS, fixed_n_splits
+from splitkv.schedule import MAX_SPLITS, fixed_n_splits, min_split_for, n_used, one_wave_n_splits
 
 SMS = (132, 108, 78, 8)
 
@@ -109,3 +112,23 @@ def test_rejects_nonsense(bad):
     args.update(bad)
     with pytest.raises(ValueError):
         choose_n_splits(**args)
+
+
+@pytest.mark.parametrize("block_n", [16, 64, 128])
+@pytest.mark.parametrize("bs, tiles, pps", [(1, 1, 1), (1, 2, 2), (1, 8, 2), (2, 8, 2), (8, 2, 2), (32, 8, 2)])
+@pytest.mark.parametrize("prefix", [100, 1000, 4096, 4100, 16384, 65536, 200_000])
+def test_every_chosen_slice_holds_keys(block_n, bs, tiles, pps, prefix):
+    """Slices are whole key tiles, so a count can leave programs idle; the chooser returns counts that do not."""
+    min_split = min_split_for(block_n, 128)
+    n = choose_n_splits(bs, tiles, prefix, 132, programs_per_sm=pps, min_split_tokens=128, block_n=block_n)
+    assert n_used(prefix, n, block_n, min_split) == n
+    m = one_wave_n_splits(bs * tiles, prefix, 132, min_split_tokens=128, block_n=block_n)
+    assert n_used(prefix, m, block_n, min_split) == m
+
+
+def test_rounding_to_key_tiles_no_longer_idles_programs():
+    """Qwen3-Next at batch 1 (2 tiles of 64-key tiles): 31 slices of a 4096-key prefix round to 192 keys and
+    only 22 hold keys; the chooser asks for 32 slices of 128 keys instead, and 64 at 16k (not 61, 52 working)."""
+    assert n_used(4096, 31, 64, 128) == 22
+    assert choose_n_splits(1, 2, 4096, 132, programs_per_sm=2, min_split_tokens=128, block_n=64) == 32
+    assert choose_n_splits(1, 2, 16384, 132, programs_per_sm=2, min_split_tokens=128, block_n=64) == 64

@@ -683,6 +683,45 @@ def test_repeated_calls_bitwise_identical():
     assert all_counters_zero()
 
 
+def test_bf16_outputs_publish_bf16_partial_outputs(monkeypatch):
+    """A bf16 output's slices publish their partial outputs in bf16, half the bytes to write and merge.
+
+    The scratch keeps its float32 size: the bf16 partial outputs fill the first
+    half of their region (the second half stays as the NaN it was poisoned with),
+    the partial LSEs stay float32 after it. Every merge mode reads the same bf16
+    values in the same order, so the bits agree; the result is within bf16's
+    budget of the oracle. The inputs are float16 (the interpreter's bf16 dots are
+    wrong); the output buffer alone is bf16.
+    """
+    from splitkv import workspace
+
+    p = make_problem(SLICED, SLICED_EXT, 4, 1, 32, mask="tree", sinks=True, device=DEVICE, seed=59)
+    shape = (4, 1, 32, 32, p.max_len_extend, p.batch_size)
+    caught = []
+    real_new = workspace.new_partials
+
+    def new_partials(device, nbytes, stream, raw):
+        t, _ = real_new(device, nbytes, stream, False)
+        caught.append(t.fill_(float("nan")))
+        return t, t.data_ptr()
+
+    outs = []
+    for one_launch in (True, False):
+        plan = plan_of(VerifySplitKV(*shape, DEVICE, n_splits=5, one_launch=one_launch), p)
+        out = torch.full((p.num_tokens, 4, 32), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        with monkeypatch.context() as m:
+            m.setattr(workspace, "new_partials", new_partials)
+            plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=out)
+        outs.append(out)
+        rows = plan.grid[0] * plan.n_splits * plan.config.block_m
+        parts = caught[-1]
+        assert torch.isnan(parts[rows * 32 // 2: rows * 32]).all(), "bf16 partials fill half their region"
+        published = parts[: rows * 32 // 2].view(torch.bfloat16)
+        assert torch.isfinite(published).any() and torch.isfinite(parts[rows * 32:]).any()
+    assert_close(outs[0].float(), reference_for(p), torch.bfloat16)
+    assert torch.equal(outs[0], outs[1]), "the last program and the second launch merge the same bits"
+
+
 def test_merge_path_and_shape_invariant_bits(monkeypatch):
     """Every way of merging, in any program shape, gives the same bits.
 

@@ -10,8 +10,7 @@ kernel's work the slice does:
 1. gather: load the slice's slots, gather its K and V rows (K in the layout
    the dot takes), keep their element-wise maximum in the pool's dtype (one
    instruction per pair of elements, and no more registers than the tiles
-   themselves: float32 sums of the tiles held twice as many and made this
-   rung slower than the next);
+   themselves, as in the rungs above it; float32 sums would hold twice as many);
 2. + the QK dot: the query tile is loaded, scores ``q k^T`` computed and each
    row's maximum kept (V is still only kept as in rung 1, so that its loads stay);
 3. + the online softmax and the PV dot, the slice's state ``(m, l, acc)``

@@ -14,6 +14,16 @@ from .common import _finish, _tile_slices
 
 
 @triton.jit
+def _partial_outputs(Part_O, O):
+    """Where the slices' partial outputs are stored: ``Part_O`` (float32), or the same
+    address as bfloat16 when the output ``O`` is bfloat16 (half the bytes to write and merge)."""
+    if O.dtype.element_ty == tl.bfloat16:
+        return Part_O.to(tl.pointer_type(tl.bfloat16))
+    else:
+        return Part_O
+
+
+@triton.jit
 def _merge_rows(Part_O, Part_LSE, first, n_used, r, row_ok, offs_dv, dv_ok,
                 BLOCK_M: tl.constexpr, V_HEAD_DIM: tl.constexpr, MERGE_UNROLL: tl.constexpr):
     """Merge slices ``0 .. n_used-1`` of tile rows ``r`` (columns ``offs_dv``) in order.
@@ -34,7 +44,7 @@ def _merge_rows(Part_O, Part_LSE, first, n_used, r, row_ok, offs_dv, dv_ok,
             # .cg: read through L2, where the other programs' stores are.
             lse_u = tl.load(Part_LSE + rs, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
             o_u = tl.load(Part_O + rs[:, None] * V_HEAD_DIM + offs_dv[None, :],
-                          mask=s_ok[:, None] & dv_ok[None, :], other=0.0, cache_modifier=".cg")
+                          mask=s_ok[:, None] & dv_ok[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
             m_new = tl.maximum(m, lse_u)
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m - m_shift)
@@ -108,9 +118,11 @@ def _merge_kernel(
     b, head_tile, m_block, q_start, n_draft, kv_start, n_prefix, first_key, split_len, n_used = _tile_slices(
         tile, qo_indptr, kv_indptr, Last_Page_Len, num_tokens, kv_len, n_splits, min_split, window,
         HEAD_TILES, M_BLOCKS, BLOCK_N, SPLIT_TOKENS, PAGE_SIZE, HAS_WINDOW)
+    Part_LSE = Part_O + lse_offset
+    Part_O = _partial_outputs(Part_O, O)
     # Tiles with one slice were finished by the verify kernel itself.
     if (n_used > 1) & (tl.program_id(1) * MERGE_ROWS < BLOCK_M):
-        _merge_chunk(O, LSE_Out, Sinks, Part_O, Part_O + lse_offset, tile, tl.program_id(1), tl.program_id(2),
+        _merge_chunk(O, LSE_Out, Sinks, Part_O, Part_LSE, tile, tl.program_id(1), tl.program_id(2),
                      m_block, head_tile, q_start, n_draft, n_used, n_splits, stride_ot, stride_oh,
                      NUM_Q_HEADS, HEADS_PER_TILE, V_HEAD_DIM, BLOCK_M, MERGE_ROWS, MERGE_DV,
                      HAS_SINKS, WRITE_LSE, MERGE_UNROLL)

@@ -156,10 +156,11 @@ def gpu_launch(num_q_heads: int, num_kv_heads: int, head_dim: int, batch: int, p
     small = small_batch_tile(head_dim, cfg.block_m, kv_bytes, batch * tiles, num_sms, prefix)
     if small is not None:
         cfg, pps = TileConfig(cfg.block_m, *small), 1
-        n = one_wave_n_splits(batch * tiles, prefix, num_sms, min_split_tokens=TUNED["min_split_tokens"])
+        n = one_wave_n_splits(batch * tiles, prefix, num_sms, min_split_tokens=TUNED["min_split_tokens"],
+                              block_n=cfg.block_n)
     else:
         n = choose_n_splits(batch, tiles, prefix, num_sms, programs_per_sm=pps,
-                            min_split_tokens=TUNED["min_split_tokens"])
+                            min_split_tokens=TUNED["min_split_tokens"], block_n=cfg.block_n)
     return GpuLaunch(cfg, tiles, n, pps, min_split_for(cfg.block_n))
 
 
@@ -362,21 +363,23 @@ def prefix_bytes_read(programs: Sequence[Program], head_dim: int, v_head_dim: in
 
 
 def scratch_bytes(programs: Sequence[Program], v_head_dim: int, block_m: int,
-                  merge: Optional[Sequence[MergeProgram]] = None) -> Tuple[int, int]:
-    """Float32 scratch traffic of a verify launch: ``(written, read)`` bytes.
+                  merge: Optional[Sequence[MergeProgram]] = None, *, out_bytes: int = 4) -> Tuple[int, int]:
+    """Scratch traffic of a verify launch: ``(written, read)`` bytes.
 
     Every program of a tile with ``n_used > 1`` writes its whole
-    ``block_m``-row partial (output and LSE, ``v_head_dim + 1`` floats a row).
-    Merging in the verify kernel, the tile's last program reads back the live
-    rows of all ``n_used`` partials; with a spread merge (``merge``, from
-    :func:`merge_programs`) each merge program reads its rows' LSEs and its
-    columns of every partial. Tiles with one slice touch no scratch.
+    ``block_m``-row partial: a row is ``v_head_dim`` outputs of ``out_bytes``
+    each and a float32 LSE. The kernel stores the outputs in bfloat16 when the
+    call's output is bfloat16 (``out_bytes=2``), in float32 otherwise (4, the
+    default). Merging in the verify kernel, the tile's last program reads back
+    the live rows of all ``n_used`` partials; with a spread merge (``merge``,
+    from :func:`merge_programs`) each merge program reads its rows' LSEs and
+    its columns of every partial. Tiles with one slice touch no scratch.
     """
-    row = (v_head_dim + 1) * 4
+    row = v_head_dim * out_bytes + 4
     writers = [p for p in programs if p.writes_partial]
     written = len(writers) * block_m * row
     if merge:
-        read = sum(m.rows * m.slices * (m.columns + 1) * 4 for m in merge)
+        read = sum(m.rows * m.slices * (m.columns * out_bytes + 4) for m in merge)
     else:
         read = sum(p.n_used * p.rows * row for p in writers if p.split == 0)
     return written, read

@@ -148,17 +148,17 @@ MERGE_SHAPES = {
 
 
 def solution_who_merges() -> Dict[str, str]:
-    """The predictions, by the rule: one slice -> nobody; BLOCK_M <= 16 and few partial floats -> last program."""
-    return {"A": "last program",    # 16 x 16 x 128 = 32768 floats, BLOCK_M 16
-            "B": "merge programs",  # 64 x 16 x 128 = 131072 floats: too many for one program
+    """The predictions, by the rule: one slice -> nobody; BLOCK_M <= 16 and few partial values -> last program."""
+    return {"A": "last program",    # 16 x 16 x 128 = 32768 values, BLOCK_M 16
+            "B": "merge programs",  # 64 x 16 x 128 = 131072 values: too many for one program
             "C": "merge programs"}  # BLOCK_M 32: a tall tile merges faster spread
 
 
 def _why(shape: dict) -> str:
     """The numbers that decide a shape's merge mode."""
-    floats = shape["n_splits"] * shape["block_m"] * shape["v_head_dim"]
-    return (f"n_splits x BLOCK_M x Dv = {shape['n_splits']} x {shape['block_m']} x {shape['v_head_dim']} = {floats} "
-            f"floats (FUSED_MAX_MERGE = {schedule.FUSED_MAX_MERGE}), BLOCK_M {shape['block_m']} "
+    values = shape["n_splits"] * shape["block_m"] * shape["v_head_dim"]
+    return (f"n_splits x BLOCK_M x Dv = {shape['n_splits']} x {shape['block_m']} x {shape['v_head_dim']} = {values} "
+            f"values (FUSED_MAX_MERGE = {schedule.FUSED_MAX_MERGE}), BLOCK_M {shape['block_m']} "
             f"(FUSED_MAX_BLOCK_M = {schedule.FUSED_MAX_BLOCK_M})")
 
 
