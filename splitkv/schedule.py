@@ -345,12 +345,16 @@ def choose_n_splits(
 
     Returns:
         An int in ``[1, max_splits]``: every slice of a ``prefix_len`` prefix
-        holds keys. Results are cached per argument tuple.
+        holds keys. Results are cached per argument tuple, the prefix counted
+        in whole ``block_n`` tiles.
     """
     if batch_size < 1 or head_tiles < 1 or num_sms < 1 or programs_per_sm < 1 or min_split_tokens < 1:
         raise ValueError("batch_size, head_tiles, num_sms, programs_per_sm and min_split_tokens must be positive")
     useful = _useful(prefix_len, min_split_tokens, max_splits)
-    return _choose(batch_size * head_tiles, programs_per_sm * num_sms, useful, int(prefix_len), block_n,
+    # Slicing sees a prefix only through its count of key tiles: pass it rounded up to whole tiles, so the
+    # cache keeps its answer while a growing prefix stays within one tile (a step's plan asks once).
+    tiles_len = cdiv(int(prefix_len), block_n) * block_n
+    return _choose(batch_size * head_tiles, programs_per_sm * num_sms, useful, tiles_len, block_n,
                    min_split_for(block_n, min_split_tokens))
 
 
