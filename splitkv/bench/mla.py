@@ -52,8 +52,8 @@ from ..testing.reference import relative_error
 
 from .timing import Timer, gpu_tag, measure_read_bandwidth
 
-__all__ = ["LATENT_DIM", "ROPE_DIM", "HEAD_DIM", "ROWS", "QUICK_ROWS", "mla_problem", "latent_bytes", "flops_per_byte", "flops",
-           "bench_row", "sweep_tiles", "format_markdown", "main"]
+__all__ = ["LATENT_DIM", "ROPE_DIM", "HEAD_DIM", "ROWS", "QUICK_ROWS", "mla_problem", "latent_bytes",
+           "flops_per_byte", "flops", "bench_row", "sweep_tiles", "format_markdown", "main"]
 
 #: DeepSeek-V3's latent (the value) and rope widths; a key is both.
 LATENT_DIM, ROPE_DIM = 512, 64

@@ -23,7 +23,8 @@ import torch
 import splitkv  # sets TRITON_INTERPRET=1 when there is no CUDA device
 from splitkv.testing import ROW_TOLERANCE, TOLERANCE
 
-__all__ = ["DEVICE", "FIGURES", "H200_L2_BYTES", "l2_bytes", "TOLERANCE", "ROW_TOLERANCE", "attend", "merge", "save_figure", "banner", "show_source", "ptx"]
+__all__ = ["DEVICE", "FIGURES", "H200_L2_BYTES", "l2_bytes", "TOLERANCE", "ROW_TOLERANCE", "attend", "merge",
+           "save_figure", "banner", "show_source", "ptx"]
 
 #: Where the notebooks' kernels run: the GPU if there is one, else the Triton interpreter on the CPU.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
