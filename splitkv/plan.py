@@ -30,8 +30,8 @@ from .launch import Launcher, _specialization, alignment_bits
 from .resources import device_shared_memory, fit_tile, rope_dim, shared_memory_reason, shares_rows
 from .schedule import (GRID_COUNTERS, MAX_GRID_SPLITS, MAX_SPLITS, MERGE_PROGRAMS, SEPARATE_MERGE, SPIN_LIMIT,
                        LaunchLimitError, TileConfig, block_m_for, cdiv, choose_n_splits, device_sm_count, element_size,
-                       fixed_n_splits, grid_merge_block, grid_merge_rows, head_tiles, launch_limit_reason, mean_prefix,
-                       merge_chunks, merge_launch_block, merge_mode, min_split_for, next_pow2, one_wave_n_splits,
+                       fixed_n_splits, grid_merge_block, grid_merge_rows, head_tiles, launch_block_m, launch_limit_reason,
+                       mean_prefix, merge_chunks, merge_launch_block, merge_mode, min_split_for, next_pow2, one_wave_n_splits,
                        pool_offsets_32, rows_per_tile, tile_config, workspace_bytes)
 from .tuning import min_split_tokens, programs_per_sm, small_batch_tile
 from .validate import (check_batch_invariant, check_features, check_mode, check_output, check_verify_inputs,
@@ -115,10 +115,10 @@ class VerifySplitKV:
         self.pack_gqa = pack_gqa
         self.heads_per_tile = num_q_heads // num_kv_heads if pack_gqa else 1
         self._config = config
+        #: rows per tile (a small launch may cut them: :meth:`block_m_for_batch`)
         self.block_m = config.block_m if config else block_m_for(rows_per_tile(self.heads_per_tile, max_len_extend))
-        #: programs per sequence and slice (KV heads x row blocks)
+        #: programs per sequence and slice at ``block_m`` rows (KV heads x row blocks)
         self.head_tiles = head_tiles(num_q_heads, num_kv_heads, max_len_extend, self.block_m, pack_gqa)
-        self.m_blocks = self.head_tiles // (num_q_heads // self.heads_per_tile)
         self.fixed_n_splits = n_splits
         self.split_tokens = split_tokens
         #: batch-invariant mode: the most keys any sequence's prefix holds (the grid's slices cover it)
@@ -136,6 +136,26 @@ class VerifySplitKV:
             self._workspace = _ws.Workspace(workspace, max_bs * self.head_tiles)
         self._launchers: Dict[tuple, Launcher] = {}
 
+    def _head_tiles(self, block_m: int) -> int:
+        """Tiles per sequence at ``block_m`` rows (KV heads x row blocks)."""
+        return head_tiles(self.num_q_heads, self.num_kv_heads, self.max_len_extend, block_m, self.pack_gqa)
+
+    def block_m_for_batch(self, batch_size: Optional[int]) -> int:
+        """Rows per tile for a call of ``batch_size`` sequences (:func:`splitkv.schedule.launch_block_m`).
+
+        The runner's own where the rows are fixed: a custom tile, a fixed split
+        count, the batch-invariant mode (its bits must not depend on the
+        batch), or a caller's workspace with fewer counters than the cut
+        tiles would need.
+        """
+        if (batch_size is None or self._config is not None or self.fixed_n_splits is not None
+                or self.split_tokens is not None):
+            return self.block_m
+        block_m = launch_block_m(self.block_m, lambda b: batch_size * self._head_tiles(b), self.num_sms)
+        if self._workspace is not None and batch_size * self._head_tiles(block_m) > self._workspace.tiles:
+            return self.block_m
+        return block_m
+
     def _max_splits(self) -> int:
         if self.fixed_n_splits is not None:
             return self.fixed_n_splits
@@ -148,8 +168,9 @@ class VerifySplitKV:
         if (batch_size is None or self._config is not None or self.fixed_n_splits is not None
                 or self.split_tokens is not None or interpreting()):
             return None
-        return small_batch_tile(max(self.head_dim, self.v_head_dim), self.block_m, element_size(kv_dtype),
-                                batch_size * self.head_tiles, self.num_sms, prefix_len)
+        block_m = self.block_m_for_batch(batch_size)
+        return small_batch_tile(max(self.head_dim, self.v_head_dim), block_m, element_size(kv_dtype),
+                                batch_size * self._head_tiles(block_m), self.num_sms, prefix_len)
 
     def config(self, kv_dtype: torch.dtype, batch_size: Optional[int] = None, prefix_len: int = 0,
                page_size: int = 1, q_dtype: Optional[torch.dtype] = None, kv_shared: bool = False) -> TileConfig:
@@ -166,12 +187,14 @@ class VerifySplitKV:
         """
         if self._config is not None:
             return self._config
+        block_m = self.block_m_for_batch(batch_size)
         small = self._small_batch(batch_size, kv_dtype, prefix_len)
         if small is not None:
-            cfg = TileConfig(self.block_m, *small)
+            cfg = TileConfig(block_m, *small)
         else:
             cfg = tile_config(self.head_dim, self.v_head_dim, rows_per_tile(self.heads_per_tile, self.max_len_extend),
-                              interpreting(), kv_bytes=element_size(kv_dtype), page_size=page_size)
+                              interpreting(), kv_bytes=element_size(kv_dtype), page_size=page_size,
+                              block_m=block_m)
         if q_dtype is None:
             q_dtype = torch.bfloat16 if element_size(kv_dtype) == 1 else kv_dtype
         limit = device_shared_memory(self.device)
@@ -211,13 +234,14 @@ class VerifySplitKV:
             small = self._small_batch(batch_size, kv_dtype, prefix_len) is not None
         if block_n is None:
             block_n = self.config(kv_dtype, batch_size, prefix_len, page_size).block_n
+        block_m = self.block_m_for_batch(batch_size)
         if small:
-            return one_wave_n_splits(batch_size * self.head_tiles, prefix_len, self.num_sms,
+            return one_wave_n_splits(batch_size * self._head_tiles(block_m), prefix_len, self.num_sms,
                                      min_split_tokens=min_split_tokens(), block_n=block_n)
         kv_bytes = element_size(kv_dtype)
         return choose_n_splits(
-            batch_size, self.head_tiles, prefix_len, self.num_sms,
-            programs_per_sm=programs_per_sm(max(self.head_dim, self.v_head_dim), self.block_m, kv_bytes, page_size),
+            batch_size, self._head_tiles(block_m), prefix_len, self.num_sms,
+            programs_per_sm=programs_per_sm(max(self.head_dim, self.v_head_dim), block_m, kv_bytes, page_size),
             min_split_tokens=min_split_tokens(), block_n=block_n,
         )
 
@@ -357,7 +381,6 @@ class VerifyPlan:
         self.checked = bool(check)
         #: most polls of a merge program waiting for its slices before it reports a fault
         self.spin_limit = SPIN_LIMIT
-        self._tiles = self.batch_size * r.head_tiles
         #: keys per kv_indices entry: 1 (token pool) or the page size
         self.page_size = k_buffer.shape[1] if k_buffer.dim() == 4 else 1
         #: keys a query may see in the prefix (sliding window), else None
@@ -419,6 +442,7 @@ class VerifyPlan:
         self._spread = False  # merge in a second launch whatever merge_mode() says
         self.merge: Optional[int] = None  # set by _pick_launchers
         self.config = r.config(kv_dtype, self.batch_size, prefix, self.page_size, q_dtype, self.kv_shared)
+        self._tiles = self.batch_size * r._head_tiles(self.config.block_m)
         self._min_split = min_split_for(self.config.block_n, min_split_tokens())
         self._size(kv_len)
 
@@ -427,7 +451,8 @@ class VerifyPlan:
         r, cfg = self.runner, self.config
         return dict(
             NUM_Q_HEADS=r.num_q_heads, GROUP=r.num_q_heads // r.num_kv_heads, HEADS_PER_TILE=r.heads_per_tile,
-            M_BLOCKS=r.m_blocks, HEAD_DIM=r.head_dim, V_HEAD_DIM=r.v_head_dim,
+            M_BLOCKS=cdiv(rows_per_tile(r.heads_per_tile, r.max_len_extend), cfg.block_m),
+            HEAD_DIM=r.head_dim, V_HEAD_DIM=r.v_head_dim,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_N_DRAFT=max(16, min(cfg.block_n, next_pow2(r.max_len_extend))),
             BLOCK_D=next_pow2(r.head_dim), BLOCK_DV=next_pow2(r.v_head_dim), K_ROWS=cfg.k_rows,

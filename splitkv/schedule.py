@@ -10,8 +10,9 @@ agree on the kernel's actual writes).
 
 * **Tiles.** A tile is one sequence, one KV head with all its query heads
   (GQA packing) and a block of ``BLOCK_M`` query rows: :func:`rows_per_tile`,
-  :func:`block_m_for`, :func:`head_tiles`; the key tile and warps come from
-  the tuned tables (:func:`tile_config`, :mod:`splitkv.tuning`).
+  :func:`block_m_for`, :func:`head_tiles`; a launch of too few tiles to fill
+  the device cuts its rows further (:func:`launch_block_m`); the key tile and
+  warps come from the tuned tables (:func:`tile_config`, :mod:`splitkv.tuning`).
 * **Slicing.** Sequence ``b``'s prefix of ``P`` keys is cut into ``n_used``
   slices of ``split_len`` keys (:func:`slicing`)::
 
@@ -57,7 +58,7 @@ import triton
 from .kernels.common import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE
 
 __all__ = [
-    "TileConfig", "tile_config", "rows_per_tile", "block_m_for", "head_tiles",
+    "TileConfig", "tile_config", "rows_per_tile", "block_m_for", "head_tiles", "launch_block_m", "MIN_BLOCK_M",
     "cdiv", "min_split_for", "slicing", "split_len", "n_used", "split_ranges", "split_keys",
     "choose_n_splits", "one_wave_n_splits", "fixed_n_splits", "device_sm_count",
     "merge_mode", "fused_merge_fits", "grid_merge_rows", "grid_merge_block", "merge_launch_block", "merge_chunks",
@@ -134,7 +135,7 @@ def block_m_for(rows: int) -> int:
 
 
 def tile_config(head_dim: int, v_head_dim: int, rows: int, interpret: bool = False,
-                kv_bytes: int = 2, page_size: int = 1) -> TileConfig:
+                kv_bytes: int = 2, page_size: int = 1, block_m: Optional[int] = None) -> TileConfig:
     """Block sizes for a head configuration, from the H200 sweep.
 
     The table :data:`splitkv.tuning.TUNED` (``python -m splitkv.bench.tune``) holds
@@ -150,16 +151,38 @@ def tile_config(head_dim: int, v_head_dim: int, rows: int, interpret: bool = Fal
         interpret: small tiles for the Triton interpreter.
         kv_bytes: bytes per pool element (2 for 16-bit pools, 1 for fp8).
         page_size: keys per page of a paged pool (1: a token pool).
+        block_m: the tile's rows, if not :func:`block_m_for` ``(rows)`` (see :func:`launch_block_m`).
 
     Returns:
         The :class:`TileConfig`.
     """
     from .tuning import tuned_tile
 
-    block_m = block_m_for(rows)
+    block_m = block_m or block_m_for(rows)
     if interpret:
         return TileConfig(block_m, 16, 4, 1)
     return TileConfig(block_m, *tuned_tile(max(head_dim, v_head_dim), block_m, kv_bytes, page_size))
+
+
+#: Fewest query rows a tile is cut to (a tensor-core dot's height).
+MIN_BLOCK_M = 16
+
+
+def launch_block_m(block_m: int, tiles_at, num_sms: int) -> int:
+    """``BLOCK_M`` for a launch: ``block_m``, halved while even ``MAX_SPLITS`` slices per tile would give the
+    grid fewer programs than half the device's SMs.
+
+    ``tiles_at(block_m)`` is the launch's tiles at that many rows (batch x
+    :func:`head_tiles`). On the H200 (132 SMs) only a launch of one tile is
+    cut: MLA at batch 1 (one KV head, 16 query heads x 4 drafts = 64 rows),
+    whose at most 64 slices left half the device idle. Two tiles of 32 rows
+    read the latent cache twice, the second time mostly from L2, and fill it
+    (:data:`splitkv.tuning.DEFAULT_TILES` holds their tile). Every other shape
+    we serve has enough tiles already and keeps its rows.
+    """
+    while block_m > MIN_BLOCK_M and 2 * tiles_at(block_m) * MAX_SPLITS < num_sms:
+        block_m //= 2
+    return block_m
 
 
 def head_tiles(

@@ -90,11 +90,14 @@ def _notice_if_untuned() -> None:
 #: of ``python -m splitkv.bench.mla --tiles`` (BLOCK_N 32/64 x warps 4/8 x stages 1/2, and 32 keys
 #: in 3 stages) on all four of its rows, bf16 pool, H200 (``figures/mla_tiles_h200.json``): at 8
 #: warps the 64 x 512 float32 accumulator takes 128 registers a thread, at 4 warps the kernel spills
-#: and the same tile runs 1.5-1.8x slower. The fp8 pool's entry is the same tile, not timed (``measured: False``).
+#: and the same tile runs 1.5-1.8x slower. MLA's 32-row tiles (:func:`splitkv.schedule.launch_block_m`: batch 1)
+#: take the same tile: at batch 1, 16 heads, 4k / 16k / 64k it ran in 28.0 / 43.4 / 104.0 us, where 4 warps took
+#: 31.6 / 50.3 / 114.6 and the 64-row tile 33.4 / 53.9 / 122.6 (64 slices each; H200, 2026-12-02, bf16).
+#: The fp8 pool's entries are the same tiles, not timed (``measured: False``).
 DEFAULT_TILES = {
-    (576, 64, kv_bytes): dict(head_dim=576, block_m=64, kv_bytes=kv_bytes, block_n=64, num_warps=8, num_stages=2,
-                              k_rows=False, programs_per_sm=1, measured=kv_bytes == 2)
-    for kv_bytes in (1, 2)
+    (576, block_m, kv_bytes): dict(head_dim=576, block_m=block_m, kv_bytes=kv_bytes, block_n=64, num_warps=8,
+                                   num_stages=2, k_rows=False, programs_per_sm=1, measured=kv_bytes == 2)
+    for kv_bytes in (1, 2) for block_m in (32, 64)
 }
 
 

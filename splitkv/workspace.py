@@ -86,6 +86,8 @@ class Workspace:
     """
 
     def __init__(self, buffer: torch.Tensor, tiles: int):
+        #: the most tiles a launch may have (one counter each)
+        self.tiles = tiles
         raw = buffer.view(torch.uint8).reshape(-1)
         start = counter_bytes(tiles)
         self.counters = raw[: (tiles + GRID_COUNTERS) * 4].view(torch.int32)

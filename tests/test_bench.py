@@ -61,6 +61,15 @@ def test_gather_sum_odd_head_dims_int32_fp8():
     assert torch.allclose(gather_sum(k8, v8, idx, FloorConfig(16, 32)).double().cpu(), ref8.cpu(), atol=1e-3)
 
 
+def test_gather_sum_of_keys_alone():
+    """``v_buffer=None`` (values a view of the keys, MLA): each K row read once, summed once."""
+    k, v, idx = _pools(torch.float32, n_tokens=45, h_kv=1, d=40, dv=24, seed=2)
+    ref = _reference_partials(k, k[..., :0], idx, 32)
+    assert torch.allclose(gather_sum(k, None, idx, FloorConfig(16, 32)).double().cpu(), ref.cpu(), atol=1e-4)
+    with pytest.raises(ValueError, match="value pool"):
+        gather_sum(k, None, idx, heads_together=True)
+
+
 def test_gather_sum_rejects_bad_input():
     k, v, idx = _pools(torch.float32, n_tokens=8, pool=16)
     with pytest.raises(ValueError, match="multiple of block_n"):

@@ -107,6 +107,7 @@ def _gather_sum_kernel(
     BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TOKENS_PER_PROGRAM: tl.constexpr,
+    HAS_V: tl.constexpr,  # False: the values are a view of the keys (MLA), read with them
 ):
     """Program (chunk, kv_head): sum K and V rows of slots ``kv_indices[chunk * T : (chunk + 1) * T]``.
 
@@ -134,12 +135,13 @@ def _gather_sum_kernel(
             K_Buf + slot[:, None] * stride_kt + head * stride_kh + offs_d[None, :],
             mask=n_ok[:, None] & d_ok[None, :], other=0.0,
         )
-        v = tl.load(
-            V_Buf + slot[:, None] * stride_vt + head * stride_vh + offs_dv[None, :],
-            mask=n_ok[:, None] & dv_ok[None, :], other=0.0,
-        )
         acc_k += k.to(tl.float32)
-        acc_v += v.to(tl.float32)
+        if HAS_V:
+            v = tl.load(
+                V_Buf + slot[:, None] * stride_vt + head * stride_vh + offs_dv[None, :],
+                mask=n_ok[:, None] & dv_ok[None, :], other=0.0,
+            )
+            acc_v += v.to(tl.float32)
     total = tl.sum(tl.sum(acc_k, axis=1), axis=0) + tl.sum(tl.sum(acc_v, axis=1), axis=0)
     tl.store(Out + head * tl.num_programs(0) + chunk, total)
 
@@ -211,7 +213,7 @@ class FloorConfig:
 
 def gather_sum(
     k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
+    v_buffer: Optional[torch.Tensor],
     kv_indices: torch.Tensor,
     config: FloorConfig = FloorConfig(),
     out: Optional[torch.Tensor] = None,
@@ -223,7 +225,8 @@ def gather_sum(
     Args:
         k_buffer: the key pool ``[pool_tokens, H_KV, D]`` (unit last stride; any dtype
             Triton loads, fp8 included).
-        v_buffer: the value pool ``[pool_tokens, H_KV, Dv]``.
+        v_buffer: the value pool ``[pool_tokens, H_KV, Dv]``; ``None`` where the values
+            are a view of the keys (MLA's latent): K rows only, each read once.
         kv_indices: ``[n]`` pool slots (int32 or int64), e.g. every prefix of a batch.
         config: the launch setting.
         out: float32 output of ``cdiv(n, tokens_per_program) * H_KV`` elements
@@ -242,6 +245,10 @@ def gather_sum(
         ValueError: on a pool without unit last stride, mismatched pools, or a
             ``tokens_per_program`` that is not a multiple of ``block_n``.
     """
+    has_v = v_buffer is not None
+    if heads_together and not has_v:
+        raise ValueError("heads_together reads a value pool of its own")
+    v_buffer = v_buffer if has_v else k_buffer[..., :0]
     if k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1:
         raise ValueError("the K/V pools need a unit last stride")
     if k_buffer.shape[:2] != v_buffer.shape[:2]:
@@ -281,9 +288,10 @@ def gather_sum(
         HEAD_DIM=head_dim,
         V_HEAD_DIM=v_head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_DV=triton.next_power_of_2(v_head_dim),
+        BLOCK_DV=triton.next_power_of_2(max(v_head_dim, 1)),
         BLOCK_N=config.block_n,
         TOKENS_PER_PROGRAM=config.tokens_per_program,
+        HAS_V=has_v,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -300,7 +308,7 @@ def fits_registers(config: FloorConfig, head_dim: int, v_head_dim: int, num_kv_h
     ``BLOCK_N x num_kv_heads x (D + Dv)``.
     """
     width = (triton.next_power_of_2(num_kv_heads * head_dim)
-             + triton.next_power_of_2(num_kv_heads * v_head_dim))
+             + (triton.next_power_of_2(num_kv_heads * v_head_dim) if v_head_dim else 0))
     return config.block_n * width <= MAX_ACC_REGISTERS * 32 * config.num_warps
 
 
@@ -343,7 +351,7 @@ def search_gather_floor(
 
     Args:
         k_buffer: the key pool ``[pool_tokens, H_KV, D]``.
-        v_buffer: the value pool ``[pool_tokens, H_KV, Dv]``.
+        v_buffer: the value pool ``[pool_tokens, H_KV, Dv]``, or ``None`` (values a view of the keys).
         kv_indices: the prefix slots (all sequences).
         time_us: times a zero-argument callable, in µs (the benchmark replays it
             from a CUDA graph under ``do_bench``).
@@ -358,7 +366,7 @@ def search_gather_floor(
         "trials": [[block_n, tokens_per_program, num_warps, num_stages, µs or None], ...],
         "errors": {setting: message}}``.
     """
-    head_dim, v_head_dim = k_buffer.shape[2], v_buffer.shape[2]
+    head_dim, v_head_dim = k_buffer.shape[2], (v_buffer.shape[2] if v_buffer is not None else 0)
     n_tokens, h_kv = kv_indices.shape[0], k_buffer.shape[1]
     block_ns = TOKEN_BLOCK_NS if heads_together else BLOCK_NS
     heads_read = h_kv if heads_together else 1  # KV heads one program's accumulators hold

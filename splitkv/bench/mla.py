@@ -15,16 +15,18 @@ pool with the prefix on random slots. Columns:
 * latent cache MB: the prefix rows, ``batch x prefix x 576 x 2`` bytes;
 * read floor: that cache read once at the read bandwidth measured in the
   same run (``x.sum()`` over 2 GiB);
+* gather floor: the fastest bare Triton kernel that gathers the same rows
+  through the same slots, each once (:mod:`splitkv.bench.floors`, values
+  read with the keys; the benchmark's reduced search grid);
 * splitkv µs, timed through a plan (:meth:`splitkv.VerifySplitKV.plan`,
   then ``run``), and its share of the read bandwidth (floor / time);
 * TFLOPS: ``2 x (576 + 512)`` flops per (query row, visible key), query rows
   being heads x drafts, visible keys the prefix and the causal drafts;
-* peers, where they apply: :func:`splitkv.extend_attention_fwd` (the extend
-  baseline, which holds a whole head in one tile and so declines heads
-  wider than 256: recorded as skipped, with its reason) and
-  ``scaled_dot_product_attention`` on a dense copy of each sequence's keys
-  (the copy is not timed). Each peer's output is compared with splitkv's
-  (``rel_diff_vs_splitkv``).
+* peers: :func:`splitkv.extend_attention_fwd` (the extend baseline: one
+  program per query head walks the whole prefix, the head in the same two
+  chunks) and ``scaled_dot_product_attention`` on a dense copy of each
+  sequence's keys (the copy is not timed; skipped where its scores would not
+  fit). Each peer's output is compared with splitkv's (``rel_diff_vs_splitkv``).
 
 Every time is the median of CUDA-graph replays with the L2 flushed
 (the benchmark's ``Timer``). Results go to ``figures/benchmark_mla_<gpu>.json``
@@ -50,6 +52,7 @@ from ..schedule import TileConfig
 from ..testing.problem import VerifyProblem
 from ..testing.reference import relative_error
 
+from .floors import REDUCED_GRID, search_gather_floor
 from .timing import Timer, gpu_tag, measure_read_bandwidth
 
 __all__ = ["LATENT_DIM", "ROPE_DIM", "HEAD_DIM", "ROWS", "QUICK_ROWS", "mla_problem", "latent_bytes",
@@ -161,6 +164,8 @@ def bench_row(p: VerifyProblem, timer: Timer, bandwidth: float) -> dict:
     nbytes = latent_bytes(p)
     row = dict(heads=p.num_q_heads, batch=p.batch_size, prefix=p.prefix_lens[0], drafts=p.extend_lens[0],
                latent_mb=nbytes / 1e6, floor_us=nbytes / bandwidth * 1e6, flops=flops(p), impls={})
+    gather = search_gather_floor(p.k_buffer, None, p.kv_indices, timer.graph, **REDUCED_GRID)
+    row.update(gather_floor_us=gather["us"], gather_config=gather["config"])
     outs: Dict[str, torch.Tensor] = {}
     for name, make in IMPLS.items():
         rec: dict = row["impls"].setdefault(name, {})
@@ -223,13 +228,16 @@ def format_markdown(result: dict) -> str:
              f": DeepSeek-V3 (576 = 512 + 64, one KV head, values a view of the keys), {DRAFT_TOKENS} drafts, "
              f"bf16, token pool; read bandwidth {result['read_bandwidth'] / 1e9:.0f} GB/s; CUDA-graph replays, "
              f"median.{tile}", "",
-             "| heads | batch | prefix | latent MB | read floor µs | splitkv µs | % read bw | TFLOPS | slices "
-             "| extend µs | sdpa µs |",
-             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             "| heads | batch | prefix | latent MB | read floor µs | gather floor µs | splitkv µs | ÷ gather floor "
+             "| % read bw | TFLOPS | slices | extend µs | sdpa µs |",
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in result["rows"]:
         ours, ext, sdpa = (r["impls"].get(n, {}) for n in ("splitkv", "extend", "sdpa"))
+        gather = r.get("gather_floor_us")
+        ratio = f"{ours['us'] / gather:.2f}" if gather and "us" in ours else "-"
         lines.append(f"| {r['heads']} | {r['batch']} | {r['prefix'] // 1024}k | {r['latent_mb']:.1f} "
-                     f"| {r['floor_us']:.1f} | {_cell(ours, 'us', '.1f')} | {_cell(ours, 'pct_bw', '.0f')} "
+                     f"| {r['floor_us']:.1f} | {format(gather, '.1f') if gather else '-'} "
+                     f"| {_cell(ours, 'us', '.1f')} | {ratio} | {_cell(ours, 'pct_bw', '.0f')} "
                      f"| {_cell(ours, 'tflops', '.0f')} | {ours.get('n_splits', '-')} | {_cell(ext, 'us', '.1f')} "
                      f"| {_cell(sdpa, 'us', '.1f')} |")
     return "\n".join(lines)

@@ -9,19 +9,33 @@ from .common import soft_cap
 
 
 @triton.jit
+def _scores(q, q_r, k, k_r, ROPE_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Raw scores ``q k`` of a query tile against a key tile, ``[BLOCK_M, BLOCK_N]`` float32.
+
+    ``k`` is ``[BLOCK_D, BLOCK_N]`` (already transposed). With ``ROPE_DIM > 0``
+    (MLA) the head comes in two chunks, latent and rope, and so does the dot:
+    ``q k + q_r k_r``; otherwise ``q_r``/``k_r`` are unused.
+    """
+    s = tl.dot(q, k, input_precision=DOT_PRECISION)
+    if ROPE_DIM > 0:
+        s = tl.dot(q_r, k_r, acc=s, input_precision=DOT_PRECISION)
+    return s
+
+
+@triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, k, v, visible, qk_scale, v_scale, temperature, logit_cap,
+    acc, m_i, l_i, s, v, visible, qk_scale, v_scale, temperature, logit_cap,
     HAS_LOGIT_CAP: tl.constexpr, HAS_XAI_TEMP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Fold one key tile into the online softmax of a query tile.
 
-    ``q`` is ``[BLOCK_M, BLOCK_D]``, ``k`` ``[BLOCK_D, BLOCK_N]`` (already
-    transposed), ``v`` ``[BLOCK_N, BLOCK_DV]``; ``visible`` ``[BLOCK_M,
+    ``s`` holds the tile's raw scores ``[BLOCK_M, BLOCK_N]`` (:func:`_scores`),
+    ``v`` the values ``[BLOCK_N, BLOCK_DV]``; ``visible`` ``[BLOCK_M,
     BLOCK_N]`` says which scores survive. ``m_i``/``l_i`` are the running max
     and denominator per row, ``acc`` the unnormalised output ``sum p * v``,
     all float32.
     """
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+    s = s * qk_scale
     if HAS_LOGIT_CAP:
         s = soft_cap(s, logit_cap)
     if HAS_XAI_TEMP:
@@ -61,6 +75,7 @@ def _extend_attention_kernel(
     HAS_WINDOW: tl.constexpr, HAS_KV_OFFSETS: tl.constexpr,
     HAS_LOGIT_CAP: tl.constexpr, HAS_XAI_TEMP: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROPE_DIM: tl.constexpr,  # > 0: the head is V_HEAD_DIM + ROPE_DIM, taken in two chunks (MLA)
 ):
     """One program: draft rows ``[pid_m * BLOCK_M, +BLOCK_M)`` of sequence
     ``pid_b``, query head ``pid_h``, against the sequence's prefix and drafts.
@@ -73,6 +88,10 @@ def _extend_attention_kernel(
     ``h // GROUP``. Key positions are absolute: prefix key ``n`` sits at
     position ``n``, draft key ``j`` at ``prefix_len + j``, draft query ``i`` at
     ``prefix_len + i``.
+
+    MLA (``ROPE_DIM > 0``): a key is ``[latent (V_HEAD_DIM) | rope (ROPE_DIM)]``
+    and the head is taken in those two chunks, ``BLOCK_D = V_HEAD_DIM``, so
+    576 = 512 + 64 pads nothing (one chunk would pad it to 1024).
     """
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -94,8 +113,12 @@ def _extend_attention_kernel(
     dv_ok = offs_dv < V_HEAD_DIM
     q_pos = prefix_len + offs_m  # absolute position of each query row
 
-    q_ptrs = Q + (q_start + offs_m)[:, None] * stride_q_tok + pid_h * stride_q_head + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_rows = Q + (q_start + offs_m)[:, None] * stride_q_tok + pid_h * stride_q_head
+    q = tl.load(q_rows + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_r = q  # the rope chunk (MLA); unused otherwise
+    if ROPE_DIM > 0:
+        offs_r = V_HEAD_DIM + tl.arange(0, ROPE_DIM)
+        q_r = tl.load(q_rows + offs_r[None, :], mask=row_ok[:, None], other=0.0)
 
     # xai temperature: scores of the query at position p > len scale by
     # log2(p) / log2(len).
@@ -136,11 +159,11 @@ def _extend_attention_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < prefix_len
         slots = tl.load(kv_indices + kv_start + offs_n, mask=n_ok, other=0).to(tl.int64)
-        k = tl.load(
-            K_buf + slots[None, :] * stride_kb_tok + kv_head * stride_kb_head + offs_d[:, None],
-            mask=n_ok[None, :] & d_ok[:, None],
-            other=0.0,
-        ).to(q.dtype)
+        k_cols = K_buf + slots[None, :] * stride_kb_tok + kv_head * stride_kb_head
+        k = tl.load(k_cols + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0).to(q.dtype)
+        k_r = k
+        if ROPE_DIM > 0:
+            k_r = tl.load(k_cols + offs_r[:, None], mask=n_ok[None, :], other=0.0).to(q.dtype)
         v = tl.load(
             V_buf + slots[:, None] * stride_vb_tok + kv_head * stride_vb_head + offs_dv[None, :],
             mask=n_ok[:, None] & dv_ok[None, :],
@@ -153,7 +176,8 @@ def _extend_attention_kernel(
         if HAS_WINDOW:
             visible = visible & (q_pos[:, None] <= offs_n[None, :] + sliding_window_size)
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, k, v, visible, prefix_scale, v_scale, temperature, logit_cap,
+            acc, m_i, l_i, _scores(q, q_r, k, k_r, ROPE_DIM, DOT_PRECISION), v, visible, prefix_scale, v_scale,
+            temperature, logit_cap,
             HAS_LOGIT_CAP, HAS_XAI_TEMP, DOT_PRECISION,
         )
         start_n += BLOCK_N
@@ -167,11 +191,11 @@ def _extend_attention_kernel(
     while start_n < n_hi:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < ext_len
-        k = tl.load(
-            K_ext + (q_start + offs_n)[None, :] * stride_k_tok + kv_head * stride_k_head + offs_d[:, None],
-            mask=n_ok[None, :] & d_ok[:, None],
-            other=0.0,
-        )
+        k_cols = K_ext + (q_start + offs_n)[None, :] * stride_k_tok + kv_head * stride_k_head
+        k = tl.load(k_cols + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        k_r = k
+        if ROPE_DIM > 0:
+            k_r = tl.load(k_cols + offs_r[:, None], mask=n_ok[None, :], other=0.0)
         v = tl.load(
             V_ext + (q_start + offs_n)[:, None] * stride_v_tok + kv_head * stride_v_head + offs_dv[None, :],
             mask=n_ok[:, None] & dv_ok[None, :],
@@ -188,7 +212,8 @@ def _extend_attention_kernel(
         if HAS_WINDOW:
             visible = visible & (q_pos[:, None] <= prefix_len + offs_n[None, :] + sliding_window_size)
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, k, v, visible, sm_scale, 1.0, temperature, logit_cap,
+            acc, m_i, l_i, _scores(q, q_r, k, k_r, ROPE_DIM, DOT_PRECISION), v, visible, sm_scale, 1.0,
+            temperature, logit_cap,
             HAS_LOGIT_CAP, HAS_XAI_TEMP, DOT_PRECISION,
         )
         start_n += BLOCK_N

@@ -33,8 +33,8 @@ import heapq
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from ..schedule import (LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE, TileConfig, cdiv, choose_n_splits,
-                        grid_merge_block, head_tiles, merge_launch_block, merge_mode, min_split_for, n_used,
+from ..schedule import (LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE, TileConfig, block_m_for, cdiv, choose_n_splits,
+                        grid_merge_block, head_tiles, launch_block_m, merge_launch_block, merge_mode, min_split_for, n_used,
                         one_wave_n_splits, slicing, split_keys, split_len, split_ranges, tile_config)
 from ..tuning import TUNED, programs_per_sm, small_batch_tile
 
@@ -149,8 +149,10 @@ def gpu_launch(num_q_heads: int, num_kv_heads: int, head_dim: int, batch: int, p
     ``page_size``: keys per page of a paged pool (1: a token pool).
     """
 
-    cfg = tile_config(head_dim, head_dim, rows=num_q_heads // num_kv_heads * max_len_extend, kv_bytes=kv_bytes,
-                      page_size=page_size)
+    rows = num_q_heads // num_kv_heads * max_len_extend
+    block_m = launch_block_m(block_m_for(rows), lambda b: batch * head_tiles(num_q_heads, num_kv_heads, max_len_extend, b),
+                             num_sms)
+    cfg = tile_config(head_dim, head_dim, rows=rows, kv_bytes=kv_bytes, page_size=page_size, block_m=block_m)
     tiles = head_tiles(num_q_heads, num_kv_heads, max_len_extend, cfg.block_m)
     pps = programs_per_sm(head_dim, cfg.block_m, kv_bytes, page_size)
     small = small_batch_tile(head_dim, cfg.block_m, kv_bytes, batch * tiles, num_sms, prefix)
