@@ -24,9 +24,11 @@ pool with the prefix on random slots. Columns:
   being heads x drafts, visible keys the prefix and the causal drafts;
 * peers: :func:`splitkv.extend_attention_fwd` (the extend baseline: one
   program per query head walks the whole prefix, the head in the same two
-  chunks) and ``scaled_dot_product_attention`` on a dense copy of each
-  sequence's keys (the copy is not timed; skipped where its scores would not
-  fit). Each peer's output is compared with splitkv's (``rel_diff_vs_splitkv``).
+  chunks), FlexAttention (compiled, as the main benchmark runs it) and
+  ``scaled_dot_product_attention``, both on a dense copy of each sequence's
+  keys (the copy is not timed; SDPA is skipped where its scores would not
+  fit). Each peer's output is compared with splitkv's (``rel_diff_vs_splitkv``);
+  one that fails is recorded with its error.
 
 Every time is the median of CUDA-graph replays with the L2 flushed
 (the benchmark's ``Timer``). Results go to ``figures/benchmark_mla_<gpu>.json``
@@ -53,6 +55,7 @@ from ..testing.problem import VerifyProblem
 from ..testing.reference import relative_error
 
 from .floors import REDUCED_GRID, search_gather_floor
+from .peers import make_impl, skip_reason
 from .timing import Timer, gpu_tag, measure_read_bandwidth
 
 __all__ = ["LATENT_DIM", "ROPE_DIM", "HEAD_DIM", "ROWS", "QUICK_ROWS", "mla_problem", "latent_bytes",
@@ -156,18 +159,28 @@ def _sdpa(p: VerifyProblem, out: torch.Tensor, rec: dict) -> Optional[Callable]:
     return sdpa
 
 
-IMPLS = {"splitkv": _splitkv, "extend": _extend, "sdpa": _sdpa}
+def _flex(p: VerifyProblem, out: torch.Tensor, rec: dict) -> Optional[Callable]:
+    """FlexAttention on a dense copy, as the main benchmark runs it (:mod:`splitkv.bench.peers`)."""
+    reason = skip_reason("flex", p)
+    if reason:
+        rec["skipped"] = reason
+        return None
+    return make_impl("flex", p, out)
 
 
-def bench_row(p: VerifyProblem, timer: Timer, bandwidth: float) -> dict:
-    """Time every implementation on one problem; the row's record (times in µs, floors, TFLOPS, errors)."""
+IMPLS = {"splitkv": _splitkv, "extend": _extend, "flex": _flex, "sdpa": _sdpa}
+
+
+def bench_row(p: VerifyProblem, timer: Timer, bandwidth: float, impls=tuple(IMPLS)) -> dict:
+    """Time ``impls`` on one problem; the row's record (times in µs, floors, TFLOPS, errors)."""
     nbytes = latent_bytes(p)
     row = dict(heads=p.num_q_heads, batch=p.batch_size, prefix=p.prefix_lens[0], drafts=p.extend_lens[0],
                latent_mb=nbytes / 1e6, floor_us=nbytes / bandwidth * 1e6, flops=flops(p), impls={})
     gather = search_gather_floor(p.k_buffer, None, p.kv_indices, timer.graph, **REDUCED_GRID)
     row.update(gather_floor_us=gather["us"], gather_config=gather["config"])
     outs: Dict[str, torch.Tensor] = {}
-    for name, make in IMPLS.items():
+    for name in impls:
+        make = IMPLS[name]
         rec: dict = row["impls"].setdefault(name, {})
         out = p.new_output()
         try:
@@ -229,17 +242,17 @@ def format_markdown(result: dict) -> str:
              f"bf16, token pool; read bandwidth {result['read_bandwidth'] / 1e9:.0f} GB/s; CUDA-graph replays, "
              f"median.{tile}", "",
              "| heads | batch | prefix | latent MB | read floor µs | gather floor µs | splitkv µs | ÷ gather floor "
-             "| % read bw | TFLOPS | slices | extend µs | sdpa µs |",
-             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             "| % read bw | TFLOPS | slices | extend µs | flex µs | sdpa µs |",
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in result["rows"]:
-        ours, ext, sdpa = (r["impls"].get(n, {}) for n in ("splitkv", "extend", "sdpa"))
+        ours, ext, flex, sdpa = (r["impls"].get(n, {}) for n in ("splitkv", "extend", "flex", "sdpa"))
         gather = r.get("gather_floor_us")
         ratio = f"{ours['us'] / gather:.2f}" if gather and "us" in ours else "-"
         lines.append(f"| {r['heads']} | {r['batch']} | {r['prefix'] // 1024}k | {r['latent_mb']:.1f} "
                      f"| {r['floor_us']:.1f} | {format(gather, '.1f') if gather else '-'} "
                      f"| {_cell(ours, 'us', '.1f')} | {ratio} | {_cell(ours, 'pct_bw', '.0f')} "
                      f"| {_cell(ours, 'tflops', '.0f')} | {ours.get('n_splits', '-')} | {_cell(ext, 'us', '.1f')} "
-                     f"| {_cell(sdpa, 'us', '.1f')} |")
+                     f"| {_cell(flex, 'us', '.1f')} | {_cell(sdpa, 'us', '.1f')} |")
     return "\n".join(lines)
 
 
