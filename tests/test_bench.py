@@ -66,8 +66,17 @@ def test_gather_sum_of_keys_alone():
     k, v, idx = _pools(torch.float32, n_tokens=45, h_kv=1, d=40, dv=24, seed=2)
     ref = _reference_partials(k, k[..., :0], idx, 32)
     assert torch.allclose(gather_sum(k, None, idx, FloorConfig(16, 32)).double().cpu(), ref.cpu(), atol=1e-4)
-    with pytest.raises(ValueError, match="value pool"):
-        gather_sum(k, None, idx, heads_together=True)
+    # One KV head: reading "every head of a token" is the same read.
+    together = gather_sum(k, None, idx, FloorConfig(16, 32), heads_together=True)
+    assert torch.allclose(together.double().cpu(), ref.cpu(), atol=1e-4)
+
+
+def test_gather_sum_reads_wide_rows_in_chunks():
+    """A 576-wide row (MLA's latent) is five loads of 128 columns, the last one masked: the same sum."""
+    k, _, idx = _pools(torch.float32, n_tokens=21, h_kv=1, d=576, dv=8, seed=3)
+    assert floors.chunk_width(576) == floors.MAX_BLOCK_C == 128 and floors.chunk_width(40, 24) == 64
+    ref = _reference_partials(k, k[..., :0], idx, 16)
+    assert torch.allclose(gather_sum(k, None, idx, FloorConfig(16, 16)).double().cpu(), ref.cpu(), atol=1e-3)
 
 
 def test_gather_sum_rejects_bad_input():
@@ -86,8 +95,12 @@ def test_floor_configs_prune_registers():
     assert len(narrow) > len(wide) > 0
     for cfgs, d in ((narrow, 128), (wide, 256)):
         assert all(c.tokens_per_program % c.block_n == 0 for c in cfgs)
-        assert all(c.block_n * 2 * d <= floors.MAX_ACC_REGISTERS * 32 * c.num_warps for c in cfgs)
+        # The 128-column float32 accumulator and one step's bf16 K and V rows (2 x d x 2 bytes), per thread.
+        assert all(c.block_n * (128 + d) <= floors.MAX_ACC_REGISTERS * 32 * c.num_warps for c in cfgs)
     assert FloorConfig(64, 128, 4, 3) in narrow and FloorConfig(64, 128, 4, 3) not in wide
+    # Narrower elements leave room for more rows in flight: fp8 256-dim heads take 64-slot tiles.
+    assert floors.fits_registers(FloorConfig(64, 128, 4, 3), 256, 256, element_size=1)
+    assert not floors.fits_registers(FloorConfig(64, 128, 4, 3), 256, 256, element_size=2)
 
 
 def test_search_gather_floor_two_rounds(monkeypatch):

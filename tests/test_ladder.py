@@ -11,7 +11,7 @@ import torch
 from conftest import DEVICE
 
 from splitkv.bench import ladder
-from splitkv.bench.floors import FloorConfig, gather_sum
+from splitkv.bench.floors import TOKEN_BLOCK_NS, FloorConfig, gather_sum
 from splitkv.bench.ladder import Rungs, Setting
 from splitkv.kernels.common import LN2, LOG2E
 from splitkv.schedule import split_ranges
@@ -284,5 +284,5 @@ def test_ladder_row_times_every_rung_on_the_plan(tiny_model):
 def test_fp8_floor_row_times_both_layouts(tiny_model):
     row = ladder.fp8_floor_row(tiny_model, 1, 64, _CallOnce(), quick=True, device=DEVICE)
     assert row["per_head"]["us"] and row["heads_together"]["us"] and not row["per_head"]["errors"]
-    assert row["heads_together"]["config"]["block_n"] in (2, 4, 8)
+    assert row["heads_together"]["config"]["block_n"] in TOKEN_BLOCK_NS
     assert (row["bytes_per_head_token"], row["bytes_per_token"]) == (32, 64)

@@ -365,6 +365,28 @@ def test_bench_row_wiring():
     assert "| 4 | 2 | 0k |" in md and "| 10.0 | 10.0 |" in md
 
 
+def test_bench_fp8_row_wiring():
+    """``--fp8``'s row: the cache quantised once (values still a view of it, one byte per element), splitkv
+    timed on both caches of the draw and its outputs compared, the table's fp8 columns."""
+    class CallTimer:
+        def graph(self, fn):
+            fn()
+            return 10.0
+
+    p = bench_mla.mla_problem(4, 2, 40, device="cpu", dtype=torch.float16)
+    q = bench_mla.fp8_latent(p)
+    assert q.k_buffer.dtype == torch.float8_e4m3fn and shares_rows(q.k_buffer, q.v_buffer)
+    assert q.k_scale == q.v_scale == bench_mla.FP8_SCALE
+    assert 2 * bench_mla.latent_bytes(q) == bench_mla.latent_bytes(p)
+    row = bench_mla.bench_row(q, CallTimer(), bandwidth=1e12, impls=bench_mla.FP8_IMPLS, bf16=p)
+    assert row["kv_dtype"] == "float8_e4m3fn" and row["bf16_us"] == 10.0 and row["fp8_over_bf16"] == 1.0
+    # e4m3 keeps 3 mantissa bits: the two caches' outputs differ by a few per cent, not more.
+    assert 1e-4 < row["rel_diff_vs_bf16"] < 0.1
+    assert row["impls"]["extend"]["rel_diff_vs_splitkv"] < TOLERANCE[torch.float16]
+    md = bench_mla.format_markdown(dict(device="cpu", read_bandwidth=1e12, rows=[row]))
+    assert "fp8 ÷ bf16" in md and "| 10.0 | 1.00 | 10.0 |" in md
+
+
 # --- GPU: DeepSeek-V3's shapes ---------------------------------------------------------
 
 @gpu

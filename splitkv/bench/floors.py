@@ -16,7 +16,9 @@ the verify problem:
 * it walks the same ``kv_indices`` (all sequences' prefixes, concatenated),
 * loads the same K and V rows of the same pool, one KV head per program,
   ``BLOCK_N`` slots per step, exactly as the attention kernels tile them,
-* and adds them up in float32.
+* and adds them up in float32, into one accumulator of ``BLOCK_N x BLOCK_C``
+  (each row read in chunks of at most :data:`MAX_BLOCK_C` columns), so that
+  the registers go to loads in flight rather than to a sum as wide as the rows.
 
 The sum is there only so that the compiler cannot drop the loads: a load
 whose value is never used is dead code. Each program writes one float (its
@@ -39,10 +41,10 @@ floor's byte count).
 
 **Heads together.** The kernel above reads one KV head per program: at an
 fp8 pool of 8 heads x 128 dims that is 128 bytes per token, one short run
-per slot. ``heads_together=True`` gathers with a second kernel whose program
-reads every KV head of a token at once, ``H_KV x D`` contiguous elements
-(1 KB per token at that shape), from fewer, longer rows. Its tiles hold
-fewer tokens (:data:`TOKEN_BLOCK_NS`) for the same bytes in flight.
+per slot. With ``heads_together=True`` the same kernel's program reads every
+KV head of a token at once, ``H_KV x D`` contiguous elements (1 KB per token
+at that shape), from fewer, longer rows. Its tiles hold fewer tokens
+(:data:`TOKEN_BLOCK_NS`) for the same bytes in flight.
 
 The kernel runs under the Triton interpreter too, so its sum can be checked
 against ``torch`` on a CPU (``tests/test_bench.py``).
@@ -63,12 +65,14 @@ __all__ = [
     "gather_sum",
     "floor_configs",
     "fits_registers",
+    "chunk_width",
     "search_gather_floor",
     "BLOCK_NS",
     "TOKENS_PER_PROGRAM",
     "NUM_STAGES",
     "NUM_WARPS",
     "REDUCED_GRID",
+    "MAX_BLOCK_C",
     "TOKEN_BLOCK_NS",
     "TOKEN_TOKENS_PER_PROGRAM",
 ]
@@ -78,7 +82,7 @@ BLOCK_NS = (16, 32, 64)
 #: Prefix tokens (pool slots) one program walks, per KV head.
 TOKENS_PER_PROGRAM = (32, 64, 128, 256, 512)
 #: Slots per loop step when a program gathers all KV heads of a token (``heads_together``).
-TOKEN_BLOCK_NS = (2, 4, 8)
+TOKEN_BLOCK_NS = (2, 4, 8, 16)
 #: Tokens per program for that kernel (pass as ``tokens_per_program``): it has ``H_KV`` times
 #: fewer programs than the per-head one, so shorter walks keep small prefixes spread.
 TOKEN_TOKENS_PER_PROGRAM = (8, 16, 32, 64, 128, 256)
@@ -88,11 +92,33 @@ NUM_STAGES = (1, 3)
 NUM_WARPS = (2, 4)
 #: Settings of the first search round: every (BLOCK_N, tokens per program) at these.
 FIRST_ROUND_STAGES, FIRST_ROUND_WARPS = 3, 4
-#: Most float32 accumulator registers per thread a setting may need (more spills).
+#: Most registers per thread a setting may need for its accumulator and one step's loads (more spills).
 MAX_ACC_REGISTERS = 128
-#: A reduced search (``python -m splitkv.bench --small``): 8 + 1 settings instead of 14 + 3. Every
-#: winner of the full search has 4 warps, and these token counts span its range of winners.
+#: Widest column chunk of one load (``BLOCK_C``): the accumulator is ``BLOCK_N x BLOCK_C`` float32.
+MAX_BLOCK_C = 128
+#: A reduced search (``python -m splitkv.bench --small``): 4 warps only, and token counts that span
+#: the full search's range of winners.
 REDUCED_GRID = dict(tokens_per_program=(32, 128, 512), num_warps=(4,))
+
+
+@triton.jit
+def _add_rows(acc, rows, stride_h, n_ok, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``acc`` plus the first ``WIDTH`` elements of each row, ``BLOCK_C`` columns at a time.
+
+    Row ``n`` starts at pointer ``rows[n]``; a row of several heads has column
+    ``c`` at ``(c // HEAD_DIM) * stride_h + c % HEAD_DIM``. Each chunk is one
+    ``[BLOCK_N, BLOCK_C]`` load (the chunks of a row are independent loads, all
+    in flight at once), widened to float32 and added element-wise.
+    """
+    for c0 in tl.static_range(0, WIDTH, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        if WIDTH == HEAD_DIM:
+            col = c  # one head: the columns are contiguous
+        else:
+            col = (c // HEAD_DIM) * stride_h + c % HEAD_DIM
+        x = tl.load(rows + col[None, :], mask=n_ok[:, None] & (c < WIDTH)[None, :], other=0.0)
+        acc += x.to(tl.float32)
+    return acc
 
 
 @triton.jit
@@ -103,27 +129,24 @@ def _gather_sum_kernel(
     stride_vt, stride_vh,
     HEAD_DIM: tl.constexpr,
     V_HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    HEADS: tl.constexpr,  # KV heads one program reads per token: 1, or all (heads together)
+    BLOCK_C: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TOKENS_PER_PROGRAM: tl.constexpr,
     HAS_V: tl.constexpr,  # False: the values are a view of the keys (MLA), read with them
 ):
-    """Program (chunk, kv_head): sum K and V rows of slots ``kv_indices[chunk * T : (chunk + 1) * T]``.
+    """Program (chunk, head group): sum the K and V rows of slots ``kv_indices[chunk * T : (chunk + 1) * T]``.
 
     The loads are the attention kernels' prefix gather: slot numbers first,
-    then one ``[BLOCK_N, D]`` tile of K and one of V at those slots. They are
-    accumulated element-wise in float32 (no reduction inside the loop, so
-    the loop is nothing but loads and adds) and reduced once at the end.
+    then the rows at those slots, ``BLOCK_N`` slots per step. All of it is
+    added into one ``[BLOCK_N, BLOCK_C]`` float32 accumulator (no reduction
+    inside the loop, so the loop is nothing but loads and adds), reduced once
+    at the end: the accumulator's registers do not grow with the row's width,
+    and the rest are left to the loads in flight.
     """
     chunk = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < V_HEAD_DIM
-    acc_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    acc_v = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    head = tl.program_id(1) * HEADS
+    acc = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
     lo = chunk * TOKENS_PER_PROGRAM
     hi = tl.minimum(lo + TOKENS_PER_PROGRAM, n_tokens)
     for start in range(lo, hi, BLOCK_N):
@@ -131,64 +154,12 @@ def _gather_sum_kernel(
         n_ok = offs_n < hi
         # The gather: pool row of token n is kv_indices[n] (64-bit offsets, large pools).
         slot = tl.load(kv_indices + offs_n, mask=n_ok, other=0).to(tl.int64)
-        k = tl.load(
-            K_Buf + slot[:, None] * stride_kt + head * stride_kh + offs_d[None, :],
-            mask=n_ok[:, None] & d_ok[None, :], other=0.0,
-        )
-        acc_k += k.to(tl.float32)
+        acc = _add_rows(acc, K_Buf + slot[:, None] * stride_kt + head * stride_kh, stride_kh, n_ok,
+                        HEADS * HEAD_DIM, HEAD_DIM, BLOCK_C)
         if HAS_V:
-            v = tl.load(
-                V_Buf + slot[:, None] * stride_vt + head * stride_vh + offs_dv[None, :],
-                mask=n_ok[:, None] & dv_ok[None, :], other=0.0,
-            )
-            acc_v += v.to(tl.float32)
-    total = tl.sum(tl.sum(acc_k, axis=1), axis=0) + tl.sum(tl.sum(acc_v, axis=1), axis=0)
-    tl.store(Out + head * tl.num_programs(0) + chunk, total)
-
-
-@triton.jit
-def _gather_sum_tokens_kernel(
-    K_Buf, V_Buf, kv_indices, Out,
-    n_tokens,
-    stride_kt, stride_kh,
-    stride_vt, stride_vh,
-    HEAD_DIM: tl.constexpr,
-    V_HEAD_DIM: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    BLOCK_HD: tl.constexpr,
-    BLOCK_HDV: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    TOKENS_PER_PROGRAM: tl.constexpr,
-):
-    """Program (chunk): sum every KV head's K and V rows of slots ``kv_indices[chunk * T : (chunk + 1) * T]``.
-
-    A token's heads are one row of ``NUM_KV_HEADS x HEAD_DIM`` elements:
-    column ``c`` is dim ``c % HEAD_DIM`` of head ``c // HEAD_DIM``, contiguous
-    in a pool whose head stride is ``HEAD_DIM``. Otherwise as ``_gather_sum_kernel``.
-    """
-    chunk = tl.program_id(0)
-    ck = tl.arange(0, BLOCK_HD)
-    cv = tl.arange(0, BLOCK_HDV)
-    col_k = (ck // HEAD_DIM) * stride_kh + ck % HEAD_DIM
-    col_v = (cv // V_HEAD_DIM) * stride_vh + cv % V_HEAD_DIM
-    k_ok = ck < NUM_KV_HEADS * HEAD_DIM
-    v_ok = cv < NUM_KV_HEADS * V_HEAD_DIM
-    acc_k = tl.zeros([BLOCK_N, BLOCK_HD], tl.float32)
-    acc_v = tl.zeros([BLOCK_N, BLOCK_HDV], tl.float32)
-    lo = chunk * TOKENS_PER_PROGRAM
-    hi = tl.minimum(lo + TOKENS_PER_PROGRAM, n_tokens)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        slot = tl.load(kv_indices + offs_n, mask=n_ok, other=0).to(tl.int64)
-        k = tl.load(K_Buf + slot[:, None] * stride_kt + col_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        v = tl.load(V_Buf + slot[:, None] * stride_vt + col_v[None, :], mask=n_ok[:, None] & v_ok[None, :],
-                    other=0.0)
-        acc_k += k.to(tl.float32)
-        acc_v += v.to(tl.float32)
-    total = tl.sum(tl.sum(acc_k, axis=1), axis=0) + tl.sum(tl.sum(acc_v, axis=1), axis=0)
-    tl.store(Out + chunk, total)
+            acc = _add_rows(acc, V_Buf + slot[:, None] * stride_vt + head * stride_vh, stride_vh, n_ok,
+                            HEADS * V_HEAD_DIM, V_HEAD_DIM, BLOCK_C)
+    tl.store(Out + tl.program_id(1) * tl.num_programs(0) + chunk, tl.sum(tl.sum(acc, axis=1), axis=0))
 
 
 @dataclass(frozen=True)
@@ -246,8 +217,6 @@ def gather_sum(
             ``tokens_per_program`` that is not a multiple of ``block_n``.
     """
     has_v = v_buffer is not None
-    if heads_together and not has_v:
-        raise ValueError("heads_together reads a value pool of its own")
     v_buffer = v_buffer if has_v else k_buffer[..., :0]
     if k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1:
         raise ValueError("the K/V pools need a unit last stride")
@@ -263,32 +232,16 @@ def gather_sum(
     elif out.numel() != n_out or out.dtype != torch.float32:
         raise ValueError(f"out must be {n_out} float32 elements")
     head_dim, v_head_dim = k_buffer.shape[2], v_buffer.shape[2]
-    if heads_together:
-        _gather_sum_tokens_kernel[(n_chunks,)](
-            k_buffer, v_buffer, kv_indices, out,
-            n_tokens,
-            k_buffer.stride(0), k_buffer.stride(1),
-            v_buffer.stride(0), v_buffer.stride(1),
-            HEAD_DIM=head_dim,
-            V_HEAD_DIM=v_head_dim,
-            NUM_KV_HEADS=h_kv,
-            BLOCK_HD=triton.next_power_of_2(h_kv * head_dim),
-            BLOCK_HDV=triton.next_power_of_2(h_kv * v_head_dim),
-            BLOCK_N=config.block_n,
-            TOKENS_PER_PROGRAM=config.tokens_per_program,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )
-        return out
-    _gather_sum_kernel[(n_chunks, h_kv)](
+    heads = h_kv if heads_together else 1
+    _gather_sum_kernel[(n_chunks, h_kv // heads)](
         k_buffer, v_buffer, kv_indices, out,
         n_tokens,
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
         HEAD_DIM=head_dim,
         V_HEAD_DIM=v_head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_DV=triton.next_power_of_2(max(v_head_dim, 1)),
+        HEADS=heads,
+        BLOCK_C=chunk_width(heads * head_dim, heads * v_head_dim),
         BLOCK_N=config.block_n,
         TOKENS_PER_PROGRAM=config.tokens_per_program,
         HAS_V=has_v,
@@ -298,22 +251,28 @@ def gather_sum(
     return out
 
 
-def fits_registers(config: FloorConfig, head_dim: int, v_head_dim: int, num_kv_heads: int = 1) -> bool:
-    """Whether a setting's float32 accumulators fit :data:`MAX_ACC_REGISTERS` per thread.
+def chunk_width(width: int, v_width: int = 0) -> int:
+    """Columns per load of the gather (``BLOCK_C``): the row's power-of-two width, at most :data:`MAX_BLOCK_C`."""
+    return min(MAX_BLOCK_C, triton.next_power_of_2(max(width, v_width)))
 
-    The kernel holds ``BLOCK_N x (D + Dv)`` float32 accumulators over
-    ``32 x num_warps`` threads; beyond ~128 per thread (plus the tiles in
-    flight) the compiler spills to local memory and the setting is only slower.
-    A program that gathers ``num_kv_heads`` heads of each token holds
-    ``BLOCK_N x num_kv_heads x (D + Dv)``.
+
+def fits_registers(config: FloorConfig, head_dim: int, v_head_dim: int, num_kv_heads: int = 1,
+                   element_size: int = 2) -> bool:
+    """Whether a setting fits :data:`MAX_ACC_REGISTERS` registers per thread.
+
+    A program holds its ``BLOCK_N x BLOCK_C`` float32 accumulator and, while
+    they are in flight, one step's loaded rows: ``BLOCK_N x num_kv_heads x
+    (D + Dv)`` elements of ``element_size`` bytes, over ``32 x num_warps``
+    threads. Beyond ~128 per thread the compiler spills to local memory and
+    the setting is only slower.
     """
-    width = (triton.next_power_of_2(num_kv_heads * head_dim)
-             + (triton.next_power_of_2(num_kv_heads * v_head_dim) if v_head_dim else 0))
-    return config.block_n * width <= MAX_ACC_REGISTERS * 32 * config.num_warps
+    width, v_width = num_kv_heads * head_dim, num_kv_heads * v_head_dim
+    words = chunk_width(width, v_width) + (width + v_width) * element_size / 4
+    return config.block_n * words <= MAX_ACC_REGISTERS * 32 * config.num_warps
 
 
-def floor_configs(head_dim: int, v_head_dim: int) -> List[FloorConfig]:
-    """Every setting of the full grid that is valid and fits the registers.
+def floor_configs(head_dim: int, v_head_dim: int, element_size: int = 2) -> List[FloorConfig]:
+    """Every setting of the full grid that is valid and fits the registers (pool elements of ``element_size`` bytes).
 
     The grid: ``BLOCK_N`` in :data:`BLOCK_NS` x tokens per program in
     :data:`TOKENS_PER_PROGRAM` (a multiple of ``BLOCK_N``) x :data:`NUM_STAGES`
@@ -322,7 +281,7 @@ def floor_configs(head_dim: int, v_head_dim: int) -> List[FloorConfig]:
     return [
         FloorConfig(bn, tpp, w, s)
         for bn, tpp, s, w in itertools.product(BLOCK_NS, TOKENS_PER_PROGRAM, NUM_STAGES, NUM_WARPS)
-        if tpp % bn == 0 and fits_registers(FloorConfig(bn, tpp, w, s), head_dim, v_head_dim)
+        if tpp % bn == 0 and fits_registers(FloorConfig(bn, tpp, w, s), head_dim, v_head_dim, 1, element_size)
     ]
 
 
@@ -375,7 +334,7 @@ def search_gather_floor(
 
     def trial(cfg: FloorConfig):
         if (cfg in trials or cfg.tokens_per_program % cfg.block_n
-                or not fits_registers(cfg, head_dim, v_head_dim, heads_read)):
+                or not fits_registers(cfg, head_dim, v_head_dim, heads_read, k_buffer.element_size())):
             return
         n_chunks = max(1, triton.cdiv(n_tokens, cfg.tokens_per_program))
         out = torch.empty(n_chunks * h_kv // heads_read, dtype=torch.float32, device=k_buffer.device)

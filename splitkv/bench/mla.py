@@ -2,6 +2,7 @@
 
     python -m splitkv.bench.mla            # 18 rows
     python -m splitkv.bench.mla --quick    # 2 rows, under a minute
+    python -m splitkv.bench.mla --fp8      # the same rows with an fp8 e4m3 latent cache (also with --tiles)
     python -m splitkv.bench.mla --tiles    # the tile sweep: BLOCK_N x warps x stages on SWEEP_ROWS
 
 DeepSeek-V3's attention verifies its MTP drafts with multi-head latent
@@ -30,9 +31,18 @@ pool with the prefix on random slots. Columns:
   fit). Each peer's output is compared with splitkv's (``rel_diff_vs_splitkv``);
   one that fails is recorded with its error.
 
+With ``--fp8`` the latent cache is stored in fp8 e4m3: the bf16 draw
+divided by :data:`FP8_SCALE` and dequantised by it, one scale for keys and
+values since they are the same bytes (``v_buffer`` stays a view of
+``k_buffer``); queries, drafts and the output stay bf16. Each row times
+splitkv on both pools of the same draw (``fp8 ÷ bf16``, and the relative
+difference of the two outputs) beside the extend baseline; the floors count
+one byte per element. The dense peers are not run: they would read a
+dequantised copy, not the fp8 cache.
+
 Every time is the median of CUDA-graph replays with the L2 flushed
 (the benchmark's ``Timer``). Results go to ``figures/benchmark_mla_<gpu>.json``
-and ``.md``.
+and ``.md`` (``benchmark_mla_fp8_<gpu>`` with ``--fp8``).
 """
 
 from __future__ import annotations
@@ -58,8 +68,8 @@ from .floors import REDUCED_GRID, search_gather_floor
 from .peers import make_impl, skip_reason
 from .timing import Timer, gpu_tag, measure_read_bandwidth
 
-__all__ = ["LATENT_DIM", "ROPE_DIM", "HEAD_DIM", "ROWS", "QUICK_ROWS", "mla_problem", "latent_bytes",
-           "flops_per_byte", "flops", "bench_row", "sweep_tiles", "format_markdown", "main"]
+__all__ = ["LATENT_DIM", "ROPE_DIM", "HEAD_DIM", "ROWS", "QUICK_ROWS", "FP8_SCALE", "mla_problem", "fp8_latent",
+           "latent_bytes", "flops_per_byte", "flops", "bench_row", "sweep_tiles", "format_markdown", "main"]
 
 #: DeepSeek-V3's latent (the value) and rope widths; a key is both.
 LATENT_DIM, ROPE_DIM = 512, 64
@@ -78,6 +88,10 @@ SWEEP_ROWS = [(16, 1, 16384), (16, 8, 16384), (128, 1, 16384), (128, 8, 16384)]
 SWEEP_TILES = [(n, w, s) for n in (32, 64) for w in (4, 8) for s in (1, 2)] + [(32, 8, 3)]
 #: The SDPA peer materialises scores of this many elements at most (its masked path is not fused).
 SDPA_MAX_SCORES = 2**31
+#: Dequantisation scale of the fp8 latent cache, keys and values alike (``--fp8``).
+FP8_SCALE = 0.5
+#: What ``--fp8`` runs on each row's fp8 cache (splitkv also on the bf16 cache of the same draw).
+FP8_IMPLS = ("splitkv", "extend")
 
 
 def mla_problem(heads: int, batch: int, prefix: int, *, device="cuda", dtype=torch.bfloat16,
@@ -105,6 +119,17 @@ def mla_problem(heads: int, batch: int, prefix: int, *, device="cuda", dtype=tor
         prefix_lens=[prefix] * batch, extend_lens=[drafts] * batch)
 
 
+def fp8_latent(p: VerifyProblem, scale: float = FP8_SCALE) -> VerifyProblem:
+    """``p`` with its latent cache in fp8 e4m3 (``k_buffer / scale``), the value pool still a view of it.
+
+    One scale serves keys and values, since they are the same stored bytes;
+    the drafts and queries keep ``p``'s dtype.
+    """
+    latent = (p.k_buffer / scale).to(torch.float8_e4m3fn)
+    return p.replace(k_buffer=latent, v_buffer=latent[..., :p.v_head_dim], k_scale=float(scale),
+                     v_scale=float(scale))
+
+
 def latent_bytes(p: VerifyProblem) -> int:
     """Bytes of the prefix's latent cache (576-wide rows, values included): what any kernel reads at least."""
     return sum(p.prefix_lens) * p.num_kv_heads * p.head_dim * p.k_buffer.element_size()
@@ -127,7 +152,7 @@ def _splitkv(p: VerifyProblem, out: torch.Tensor, rec: dict, config: Optional[Ti
     runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend,
                            p.batch_size, out.device, config=config)
     plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
-                       p.kv_indices, is_causal=True, sm_scale=p.sm_scale)
+                       p.kv_indices, is_causal=True, sm_scale=p.sm_scale, k_scale=p.k_scale, v_scale=p.v_scale)
     rec.update(config=repr(plan.config), n_splits=plan.n_splits, merge=plan.merge, kv_shared=plan.kv_shared)
     return lambda: plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=out)
 
@@ -171,11 +196,17 @@ def _flex(p: VerifyProblem, out: torch.Tensor, rec: dict) -> Optional[Callable]:
 IMPLS = {"splitkv": _splitkv, "extend": _extend, "flex": _flex, "sdpa": _sdpa}
 
 
-def bench_row(p: VerifyProblem, timer: Timer, bandwidth: float, impls=tuple(IMPLS)) -> dict:
-    """Time ``impls`` on one problem; the row's record (times in µs, floors, TFLOPS, errors)."""
+def bench_row(p: VerifyProblem, timer: Timer, bandwidth: float, impls=tuple(IMPLS),
+              bf16: Optional[VerifyProblem] = None) -> dict:
+    """Time ``impls`` on one problem; the row's record (times in µs, floors, TFLOPS, errors).
+
+    ``bf16``: for an fp8 problem, the bf16 problem it was quantised from; splitkv
+    is timed on it too (``bf16_us``, ``fp8_over_bf16``, ``rel_diff_vs_bf16``).
+    """
     nbytes = latent_bytes(p)
     row = dict(heads=p.num_q_heads, batch=p.batch_size, prefix=p.prefix_lens[0], drafts=p.extend_lens[0],
-               latent_mb=nbytes / 1e6, floor_us=nbytes / bandwidth * 1e6, flops=flops(p), impls={})
+               kv_dtype=str(p.k_buffer.dtype).replace("torch.", ""), latent_mb=nbytes / 1e6,
+               floor_us=nbytes / bandwidth * 1e6, flops=flops(p), impls={})
     gather = search_gather_floor(p.k_buffer, None, p.kv_indices, timer.graph, **REDUCED_GRID)
     row.update(gather_floor_us=gather["us"], gather_config=gather["config"])
     outs: Dict[str, torch.Tensor] = {}
@@ -201,15 +232,23 @@ def bench_row(p: VerifyProblem, timer: Timer, bandwidth: float, impls=tuple(IMPL
     for name, out in outs.items():
         if name != "splitkv" and "splitkv" in outs:
             row["impls"][name]["rel_diff_vs_splitkv"] = relative_error(out, outs["splitkv"])
+    if bf16 is not None and "splitkv" in outs:
+        out = bf16.new_output()
+        row["bf16_us"] = timer.graph(_splitkv(bf16, out, {}))
+        row["fp8_over_bf16"] = row["impls"]["splitkv"]["us"] / row["bf16_us"]
+        row["rel_diff_vs_bf16"] = relative_error(outs["splitkv"], out)
     return row
 
 
-def sweep_tiles(timer: Timer) -> List[dict]:
+def sweep_tiles(timer: Timer, fp8: bool = False) -> List[dict]:
     """Time every tile of :data:`SWEEP_TILES` on every row of :data:`SWEEP_ROWS` (a tile that does not
-    compile is recorded with its error); the geometric-mean winner is what ``splitkv.tuning`` should hold."""
+    compile is recorded with its error); the geometric-mean winner is what ``splitkv.tuning`` should hold.
+    ``fp8``: on the fp8 latent cache (:func:`fp8_latent`)."""
     records = []
     for heads, batch, prefix in SWEEP_ROWS:
         p = mla_problem(heads, batch, prefix)
+        if fp8:
+            p = fp8_latent(p)
         for block_n, warps, stages in SWEEP_TILES:
             rec = dict(heads=heads, batch=batch, prefix=prefix, block_n=block_n, num_warps=warps,
                        num_stages=stages)
@@ -234,25 +273,35 @@ def _cell(rec: dict, key: str, fmt: str) -> str:
 
 
 def format_markdown(result: dict) -> str:
-    """The rows as a Markdown table under one provenance line (GPU, date, command, read bandwidth)."""
+    """The rows as a Markdown table under one provenance line (GPU, date, command, read bandwidth).
+
+    An fp8 run (rows with ``bf16_us``) shows the bf16 cache's time and the ratio in place of the dense peers.
+    """
+    fp8 = any("bf16_us" in r for r in result["rows"])
     tiles = {r["impls"].get("splitkv", {}).get("config") for r in result["rows"]}
     tile = f" Tile: {tiles.pop()}." if len(tiles) == 1 and None not in tiles else ""
+    pool = f"fp8 e4m3 latent cache (scale {FP8_SCALE}), bf16 queries" if fp8 else "bf16"
+    peers = "bf16 cache µs | fp8 ÷ bf16 | extend µs" if fp8 else "extend µs | flex µs | sdpa µs"
     lines = [f"{result['device']}, {result.get('date', '-')}, `{result.get('command', 'python -m splitkv.bench.mla')}`"
              f": DeepSeek-V3 (576 = 512 + 64, one KV head, values a view of the keys), {DRAFT_TOKENS} drafts, "
-             f"bf16, token pool; read bandwidth {result['read_bandwidth'] / 1e9:.0f} GB/s; CUDA-graph replays, "
+             f"{pool}, token pool; read bandwidth {result['read_bandwidth'] / 1e9:.0f} GB/s; CUDA-graph replays, "
              f"median.{tile}", "",
              "| heads | batch | prefix | latent MB | read floor µs | gather floor µs | splitkv µs | ÷ gather floor "
-             "| % read bw | TFLOPS | slices | extend µs | flex µs | sdpa µs |",
+             f"| % read bw | TFLOPS | slices | {peers} |",
              "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in result["rows"]:
         ours, ext, flex, sdpa = (r["impls"].get(n, {}) for n in ("splitkv", "extend", "flex", "sdpa"))
         gather = r.get("gather_floor_us")
         ratio = f"{ours['us'] / gather:.2f}" if gather and "us" in ours else "-"
+        if fp8:
+            tail = (f"{_cell(r, 'bf16_us', '.1f')} | {_cell(r, 'fp8_over_bf16', '.2f')} "
+                    f"| {_cell(ext, 'us', '.1f')}")
+        else:
+            tail = f"{_cell(ext, 'us', '.1f')} | {_cell(flex, 'us', '.1f')} | {_cell(sdpa, 'us', '.1f')}"
         lines.append(f"| {r['heads']} | {r['batch']} | {r['prefix'] // 1024}k | {r['latent_mb']:.1f} "
                      f"| {r['floor_us']:.1f} | {format(gather, '.1f') if gather else '-'} "
                      f"| {_cell(ours, 'us', '.1f')} | {ratio} | {_cell(ours, 'pct_bw', '.0f')} "
-                     f"| {_cell(ours, 'tflops', '.0f')} | {ours.get('n_splits', '-')} | {_cell(ext, 'us', '.1f')} "
-                     f"| {_cell(flex, 'us', '.1f')} | {_cell(sdpa, 'us', '.1f')} |")
+                     f"| {_cell(ours, 'tflops', '.0f')} | {ours.get('n_splits', '-')} | {tail} |")
     return "\n".join(lines)
 
 
@@ -266,28 +315,36 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m splitkv.bench.mla", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"rows {QUICK_ROWS} only")
     ap.add_argument("--tiles", action="store_true", help="the tile sweep alone (SWEEP_ROWS x SWEEP_TILES)")
-    ap.add_argument("--out", default=None, help="result JSON (default figures/benchmark_mla_<gpu>.json)")
+    ap.add_argument("--fp8", action="store_true", help="an fp8 e4m3 latent cache (splitkv and extend; bf16 beside)")
+    ap.add_argument("--out", default=None,
+                    help="result JSON (default figures/benchmark_mla_<gpu>.json, benchmark_mla_fp8_<gpu>.json)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("the benchmark needs a CUDA GPU")
     import triton
 
     device = torch.cuda.get_device_name()
-    out = args.out or os.path.join("figures", f"benchmark_mla_{gpu_tag(device)}.json")
+    out = args.out or os.path.join("figures", f"benchmark_mla{'_fp8' if args.fp8 else ''}_{gpu_tag(device)}.json")
     start = time.time()
     timer = Timer()
+    flags = [flag for flag, on in (("--quick", args.quick), ("--tiles", args.tiles), ("--fp8", args.fp8)) if on]
     result = dict(device=device, date=datetime.date.today().isoformat(), torch=torch.__version__,
-                  command="python -m splitkv.bench.mla" + (" --quick" if args.quick else ""),
+                  command=" ".join(["python -m splitkv.bench.mla", *flags]),
                   triton=triton.__version__, python=platform.python_version(),
                   read_bandwidth=measure_read_bandwidth(), rows=[])
     if args.tiles:
-        result["tile_sweep"] = sweep_tiles(timer)
-        _write(args.out or os.path.join("figures", f"mla_tiles_{gpu_tag(device)}.json"), result)
+        result["tile_sweep"] = sweep_tiles(timer, args.fp8)
+        _write(args.out or os.path.join("figures", f"mla_tiles{'_fp8' if args.fp8 else ''}_{gpu_tag(device)}.json"),
+               result)
         return
     rows = QUICK_ROWS if args.quick else ROWS
     for i, (heads, batch, prefix) in enumerate(rows, 1):
         p = mla_problem(heads, batch, prefix)
-        result["rows"].append(bench_row(p, timer, result["read_bandwidth"]))
+        if args.fp8:
+            row = bench_row(fp8_latent(p), timer, result["read_bandwidth"], FP8_IMPLS, bf16=p)
+        else:
+            row = bench_row(p, timer, result["read_bandwidth"])
+        result["rows"].append(row)
         del p
         torch.cuda.empty_cache()
         ours = result["rows"][-1]["impls"]["splitkv"]
