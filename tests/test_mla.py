@@ -346,16 +346,19 @@ def test_bench_rows_and_arithmetic():
     assert bench_mla.flops(p) == 2 * 1088 * 4 * 2 * (3 * 24 + 6)
 
 
+class _CallTimer:
+    """A benchmark timer that only calls: each timing runs ``fn`` once and reports 10 µs."""
+
+    def graph(self, fn):
+        fn()
+        return 10.0
+
+
 def test_bench_row_wiring():
     """One row on a tiny CPU problem with a timer that only calls: splitkv, the extend baseline and SDPA
     run and agree, and the table shows them."""
-    class CallTimer:
-        def graph(self, fn):
-            fn()
-            return 10.0
-
     p = bench_mla.mla_problem(4, 2, 40, device="cpu", dtype=torch.float32)
-    row = bench_mla.bench_row(p, CallTimer(), bandwidth=1e12, impls=("splitkv", "extend", "sdpa"))
+    row = bench_mla.bench_row(p, _CallTimer(), bandwidth=1e12, impls=("splitkv", "extend", "sdpa"))
     ours, extend, sdpa = (row["impls"][name] for name in ("splitkv", "extend", "sdpa"))
     assert ours["us"] == extend["us"] == sdpa["us"] == 10.0 and ours["kv_shared"]
     assert max(extend["rel_diff_vs_splitkv"], sdpa["rel_diff_vs_splitkv"]) < TOLERANCE[torch.float32]
@@ -368,17 +371,12 @@ def test_bench_row_wiring():
 def test_bench_fp8_row_wiring():
     """``--fp8``'s row: the cache quantised once (values still a view of it, one byte per element), splitkv
     timed on both caches of the draw and its outputs compared, the table's fp8 columns."""
-    class CallTimer:
-        def graph(self, fn):
-            fn()
-            return 10.0
-
     p = bench_mla.mla_problem(4, 2, 40, device="cpu", dtype=torch.float16)
     q = bench_mla.fp8_latent(p)
     assert q.k_buffer.dtype == torch.float8_e4m3fn and shares_rows(q.k_buffer, q.v_buffer)
     assert q.k_scale == q.v_scale == bench_mla.FP8_SCALE
     assert 2 * bench_mla.latent_bytes(q) == bench_mla.latent_bytes(p)
-    row = bench_mla.bench_row(q, CallTimer(), bandwidth=1e12, impls=bench_mla.FP8_IMPLS, bf16=p)
+    row = bench_mla.bench_row(q, _CallTimer(), bandwidth=1e12, impls=bench_mla.FP8_IMPLS, bf16=p)
     assert row["kv_dtype"] == "float8_e4m3fn" and row["bf16_us"] == 10.0 and row["fp8_over_bf16"] == 1.0
     # e4m3 keeps 3 mantissa bits: the two caches' outputs differ by a few per cent, not more.
     assert 1e-4 < row["rel_diff_vs_bf16"] < 0.1

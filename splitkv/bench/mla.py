@@ -324,7 +324,8 @@ def main(argv=None):
     import triton
 
     device = torch.cuda.get_device_name()
-    out = args.out or os.path.join("figures", f"benchmark_mla{'_fp8' if args.fp8 else ''}_{gpu_tag(device)}.json")
+    fp8_tag = "_fp8" if args.fp8 else ""
+    out = args.out or os.path.join("figures", f"benchmark_mla{fp8_tag}_{gpu_tag(device)}.json")
     start = time.time()
     timer = Timer()
     flags = [flag for flag, on in (("--quick", args.quick), ("--tiles", args.tiles), ("--fp8", args.fp8)) if on]
@@ -334,8 +335,7 @@ def main(argv=None):
                   read_bandwidth=measure_read_bandwidth(), rows=[])
     if args.tiles:
         result["tile_sweep"] = sweep_tiles(timer, args.fp8)
-        _write(args.out or os.path.join("figures", f"mla_tiles{'_fp8' if args.fp8 else ''}_{gpu_tag(device)}.json"),
-               result)
+        _write(args.out or os.path.join("figures", f"mla_tiles{fp8_tag}_{gpu_tag(device)}.json"), result)
         return
     rows = QUICK_ROWS if args.quick else ROWS
     for i, (heads, batch, prefix) in enumerate(rows, 1):
