@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -77,6 +78,10 @@ def test_gather_sum_reads_wide_rows_in_chunks():
     assert floors.chunk_width(576) == floors.MAX_BLOCK_C == 128 and floors.chunk_width(40, 24) == 64
     ref = _reference_partials(k, k[..., :0], idx, 16)
     assert torch.allclose(gather_sum(k, None, idx, FloorConfig(16, 16)).double().cpu(), ref.cpu(), atol=1e-3)
+    # Whole rows per load (the search's third round): one 1024-column load per row, the same sum.
+    assert floors.row_width(576) == 1024
+    whole = gather_sum(k, None, idx, FloorConfig(16, 16, block_c=1024))
+    assert torch.allclose(whole.double().cpu(), ref.cpu(), atol=1e-3)
 
 
 def test_gather_sum_rejects_bad_input():
@@ -85,6 +90,8 @@ def test_gather_sum_rejects_bad_input():
         gather_sum(k, v, idx, FloorConfig(32, 48))
     with pytest.raises(ValueError, match="unit last stride"):
         gather_sum(k.transpose(1, 2), v, idx)
+    with pytest.raises(ValueError, match="power of two"):
+        gather_sum(k, v, idx, FloorConfig(16, 32, block_c=96))
     with pytest.raises(ValueError, match="float32 elements"):
         gather_sum(k, v, idx, FloorConfig(16, 32), out=torch.empty(3, device=DEVICE))
 
@@ -126,11 +133,39 @@ def test_search_gather_floor_two_rounds(monkeypatch):
 
     monkeypatch.setattr(floors, "gather_sum", spy)
     found = search_gather_floor(k, v, idx, fake_time)
-    assert found["config"] == dict(block_n=32, tokens_per_program=128, num_warps=2, num_stages=1)
+    assert found["config"] == dict(block_n=32, tokens_per_program=128, num_warps=2, num_stages=1, block_c=0)
     assert math.isclose(found["us"], 1 - 0.15)
+    # 64-wide rows are one chunk already: no third round.
     assert len(found["trials"]) == len(calls) == 14 + 3
     assert all(key.startswith("64/") for key in found["errors"])
-    assert all(t[4] is None for t in found["trials"] if t[0] == 64)
+    assert all(t[5] is None for t in found["trials"] if t[0] == 64)
+
+
+@pytest.mark.parametrize("whole_wins", [True, False], ids=["whole-rows", "chunks"])
+def test_search_gather_floor_tries_whole_rows(whole_wins, monkeypatch):
+    """Rows wider than one chunk (256 columns): a third round times round 2's winner with whole rows
+    per load, and keeps it only where it is faster."""
+    k, v, idx = _pools(torch.float32, n_tokens=40, pool=64, h_kv=1, d=256, dv=256)
+    seen = []
+
+    def fake_time(fn):
+        fn()
+        seen.append(fake_time.current)
+        return 5.0 - (fake_time.current.block_c > 0) * (1 if whole_wins else -1)
+
+    real = floors.gather_sum
+
+    def spy(k_, v_, idx_, config, out=None, **kw):
+        fake_time.current = config
+        return real(k_, v_, idx_, config, out, **kw)
+
+    monkeypatch.setattr(floors, "gather_sum", spy)
+    found = search_gather_floor(k, v, idx, fake_time, **floors.REDUCED_GRID)
+    # fp32 rows this wide fit the registers at 16-slot tiles only: 3 + 1 chunked settings, then whole rows.
+    assert [c.block_c for c in seen] == [0] * 4 + [256]
+    assert seen[-1] == replace(seen[0], block_c=256)  # every chunked setting tied: round 1's first won
+    assert found["config"]["block_c"] == (256 if whole_wins else 0)
+    assert found["trials"][-1][4] == 256
 
 
 def test_search_gather_floor_reduced_grid():
@@ -144,7 +179,7 @@ def test_search_gather_floor_reduced_grid():
         return 10.0 - len(seen)  # the last setting timed is the fastest
 
     found = search_gather_floor(k, v, idx, fake_time, **floors.REDUCED_GRID)
-    settings = [tuple(t[:4]) for t in found["trials"]]
+    settings = [tuple(t[:5]) for t in found["trials"]]
     assert len(settings) == len(set(settings)) == len(seen) == 9
     assert {s[1] for s in settings} == {32, 128, 512} and {s[2] for s in settings} == {4}
     assert settings[-1][3] == 1 and all(s[3] == 3 for s in settings[:-1])

@@ -19,6 +19,8 @@ the verify problem:
 * and adds them up in float32, into one accumulator of ``BLOCK_N x BLOCK_C``
   (each row read in chunks of at most :data:`MAX_BLOCK_C` columns), so that
   the registers go to loads in flight rather than to a sum as wide as the rows.
+  The search also tries whole rows per load (``BLOCK_C`` the row's width):
+  for short prefixes of wide heads, fewer and wider loads can win.
 
 The sum is there only so that the compiler cannot drop the loads: a load
 whose value is never used is dead code. Each program writes one float (its
@@ -53,7 +55,7 @@ against ``torch`` on a CPU (``tests/test_bench.py``).
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -66,6 +68,7 @@ __all__ = [
     "floor_configs",
     "fits_registers",
     "chunk_width",
+    "row_width",
     "search_gather_floor",
     "BLOCK_NS",
     "TOKENS_PER_PROGRAM",
@@ -171,12 +174,15 @@ class FloorConfig:
         tokens_per_program: prefix tokens one program walks (a multiple of ``block_n``).
         num_warps: warps per program.
         num_stages: software-pipelining depth of the loop.
+        block_c: columns per load, a power of two; 0: :func:`chunk_width` of the rows
+            (at most :data:`MAX_BLOCK_C`).
     """
 
     block_n: int = 32
     tokens_per_program: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    block_c: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -214,7 +220,8 @@ def gather_sum(
 
     Raises:
         ValueError: on a pool without unit last stride, mismatched pools, or a
-            ``tokens_per_program`` that is not a multiple of ``block_n``.
+            ``tokens_per_program`` that is not a multiple of ``block_n``, or a
+            ``block_c`` that is not a power of two.
     """
     has_v = v_buffer is not None
     v_buffer = v_buffer if has_v else k_buffer[..., :0]
@@ -224,6 +231,8 @@ def gather_sum(
         raise ValueError(f"k_buffer {tuple(k_buffer.shape)} and v_buffer {tuple(v_buffer.shape)} differ")
     if config.tokens_per_program % config.block_n:
         raise ValueError(f"tokens_per_program must be a multiple of block_n: {config}")
+    if config.block_c and config.block_c & (config.block_c - 1):
+        raise ValueError(f"block_c must be a power of two: {config}")
     n_tokens, h_kv = kv_indices.shape[0], k_buffer.shape[1]
     n_chunks = max(1, triton.cdiv(n_tokens, config.tokens_per_program))
     n_out = n_chunks if heads_together else n_chunks * h_kv
@@ -241,7 +250,7 @@ def gather_sum(
         HEAD_DIM=head_dim,
         V_HEAD_DIM=v_head_dim,
         HEADS=heads,
-        BLOCK_C=chunk_width(heads * head_dim, heads * v_head_dim),
+        BLOCK_C=config.block_c or chunk_width(heads * head_dim, heads * v_head_dim),
         BLOCK_N=config.block_n,
         TOKENS_PER_PROGRAM=config.tokens_per_program,
         HAS_V=has_v,
@@ -252,8 +261,14 @@ def gather_sum(
 
 
 def chunk_width(width: int, v_width: int = 0) -> int:
-    """Columns per load of the gather (``BLOCK_C``): the row's power-of-two width, at most :data:`MAX_BLOCK_C`."""
-    return min(MAX_BLOCK_C, triton.next_power_of_2(max(width, v_width)))
+    """Columns per load of the gather (``BLOCK_C``) by default: the row's power-of-two width, at most
+    :data:`MAX_BLOCK_C`."""
+    return min(MAX_BLOCK_C, row_width(width, v_width))
+
+
+def row_width(width: int, v_width: int = 0) -> int:
+    """The rows' power-of-two width: ``BLOCK_C`` when a load takes whole rows."""
+    return triton.next_power_of_2(max(width, v_width))
 
 
 def fits_registers(config: FloorConfig, head_dim: int, v_head_dim: int, num_kv_heads: int = 1,
@@ -267,7 +282,7 @@ def fits_registers(config: FloorConfig, head_dim: int, v_head_dim: int, num_kv_h
     the setting is only slower.
     """
     width, v_width = num_kv_heads * head_dim, num_kv_heads * v_head_dim
-    words = chunk_width(width, v_width) + (width + v_width) * element_size / 4
+    words = (config.block_c or chunk_width(width, v_width)) + (width + v_width) * element_size / 4
     return config.block_n * words <= MAX_ACC_REGISTERS * 32 * config.num_warps
 
 
@@ -297,13 +312,15 @@ def search_gather_floor(
 ) -> dict:
     """The fastest launch setting of :func:`gather_sum` for these inputs.
 
-    Two rounds, so a search costs at most 17 timings instead of the grid's 56:
+    Three rounds, so a search costs at most 18 timings instead of the 56 of :func:`floor_configs`:
 
     1. every (``BLOCK_N``, tokens per program) at 4 warps and 3 stages;
-    2. the other warps x stages settings at the best pair of round 1.
+    2. the other warps x stages settings at the best pair of round 1;
+    3. the winner with whole rows per load (``block_c`` = :func:`row_width`),
+       where rows are wider than :func:`chunk_width` and that fits the registers.
 
     ``tokens_per_program`` and ``num_warps`` narrow the grid (:data:`REDUCED_GRID`:
-    9 timings); the first round keeps its 4 warps only where ``num_warps`` has them.
+    9 or 10 timings); the first round keeps its 4 warps only where ``num_warps`` has them.
 
     Settings that do not fit the registers (:func:`fits_registers`) are skipped;
     one that fails (compile error, out of resources) is recorded and skipped.
@@ -322,7 +339,7 @@ def search_gather_floor(
 
     Returns:
         ``{"us": best µs or None, "config": FloorConfig.as_dict() or None,
-        "trials": [[block_n, tokens_per_program, num_warps, num_stages, µs or None], ...],
+        "trials": [[block_n, tokens_per_program, num_warps, num_stages, block_c, µs or None], ...],
         "errors": {setting: message}}``.
     """
     head_dim, v_head_dim = k_buffer.shape[2], (v_buffer.shape[2] if v_buffer is not None else 0)
@@ -343,7 +360,7 @@ def search_gather_floor(
                                                      heads_together=heads_together))
         except Exception as err:  # a setting that cannot run here is skipped, not fatal
             trials[cfg] = None
-            errors[f"{cfg.block_n}/{cfg.tokens_per_program}/{cfg.num_warps}w/{cfg.num_stages}s"] = (
+            errors[f"{cfg.block_n}/{cfg.tokens_per_program}/{cfg.num_warps}w/{cfg.num_stages}s/{cfg.block_c}c"] = (
                 f"{type(err).__name__}: {err}"[:200]
             )
 
@@ -362,10 +379,16 @@ def search_gather_floor(
         bn, tpp = block_ns[0], sorted(tokens_per_program)[len(tokens_per_program) // 2]
     for s, w in itertools.product(NUM_STAGES, num_warps):
         trial(FloorConfig(bn, tpp, w, s))
+    second = best()
+    # Round 3: the winner with whole rows per load, where a row is more than one chunk.
+    width, v_width = heads_read * head_dim, heads_read * v_head_dim
+    if second and row_width(width, v_width) > chunk_width(width, v_width):
+        trial(replace(second, block_c=row_width(width, v_width)))
     winner = best()
     return {
         "us": trials[winner] if winner else None,
         "config": winner.as_dict() if winner else None,
-        "trials": [[c.block_n, c.tokens_per_program, c.num_warps, c.num_stages, t] for c, t in trials.items()],
+        "trials": [[c.block_n, c.tokens_per_program, c.num_warps, c.num_stages, c.block_c, t]
+                   for c, t in trials.items()],
         "errors": errors,
     }
