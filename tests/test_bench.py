@@ -2,6 +2,7 @@
 the GPU tag, the row assembly (fake timers), the tables, the plots and the CLI."""
 
 import copy
+import json
 import math
 import os
 import re
@@ -567,6 +568,47 @@ def test_rows_carried_from_another_run_are_marked():
     assert shape.endswith(" †") and f"| {shape} |" in md
     assert "† not measured in this run; carried over from the run of 2026-12-01 at commit abc1234." in md
     assert " †" not in report._shape(result["rows"][0])
+
+
+def test_merge_results_of_a_run_in_parts():
+    """Two parts: rows in order, seconds added, the second part's floors at the first part's bandwidth."""
+    a, b = synthetic_result(), synthetic_result()
+    a["rows"], b["rows"] = a["rows"][:1], b["rows"][1:]
+    b["read_bandwidth"], b["elapsed_s"] = a["read_bandwidth"] * 0.99, 7.0
+    before = copy.deepcopy(b["rows"][0])
+    merged = run.merge_results([a, b])
+    assert [r["model"] for r in merged["rows"]] == ["llama3-8b", "qwen3-32b", "llama3-8b"]
+    assert merged["elapsed_s"] == 17.0 and merged["read_bandwidth"] == a["read_bandwidth"]
+    assert merged["read_bandwidth_runs"] == [a["read_bandwidth"], b["read_bandwidth"]]
+    row = merged["rows"][1]
+    assert math.isclose(row["floor_us"], before["floor_us"] * 0.99)
+    assert math.isclose(row["splitkv_over_floor"], before["splitkv_over_floor"] / 0.99)
+    assert math.isclose(row["impls"]["seed"]["pct_bw"], before["impls"]["seed"]["pct_bw"] * 0.99)
+    assert merged["rows"][0] == a["rows"][0] and b["rows"][0] == before  # the parts are not changed
+    assert "The rows come from 2 runs" in report.format_markdown(merged)
+    assert "The rows come from" not in report.format_markdown(a)
+    with pytest.raises(ValueError, match="more than one part"):
+        run.merge_results([a, a])
+    b["triton"] = "3.5.0"
+    with pytest.raises(ValueError, match="differ in triton"):
+        run.merge_results([a, b])
+
+
+def test_cli_merge_writes_the_result_tables_and_plots(tmp_path):
+    """``--merge`` needs no GPU: the merged JSON, its Markdown beside it and the plots."""
+    a, b = synthetic_result(), synthetic_result()
+    a["rows"], b["rows"] = a["rows"][:2], b["rows"][2:]
+    paths = []
+    for i, part in enumerate((a, b)):
+        paths.append(str(tmp_path / f"part{i}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(part, f)
+    out = tmp_path / "out" / "benchmark_test.json"
+    run.main(["--merge", *paths, "--out", str(out), "--figures", str(tmp_path / "figs")])
+    with open(out) as f:
+        assert json.load(f) == run.merge_results([a, b])
+    assert (tmp_path / "out" / "benchmark_test.md").read_text() == report.format_markdown(run.merge_results([a, b])) + "\n"
+    assert sorted(os.listdir(tmp_path / "figs")) == ["roofline_test.png", "speedup_test.png"]
 
 
 def test_format_table():

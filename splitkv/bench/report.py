@@ -234,6 +234,17 @@ def _problems(result: dict) -> List[str]:
     return [f"{what} {kind} at {', '.join(places)}: {reason}" for (kind, what, reason), places in seen.items()]
 
 
+def _parts_note(result: dict) -> str:
+    """For a result merged from runs made in parts: how many, and the other parts' read bandwidths."""
+    runs = result.get("read_bandwidth_runs", [])
+    if len(runs) < 2:
+        return ""
+    others = ", ".join(f"{bw / 1e12:.2f}" for bw in runs[1:])
+    rest = "the second" if len(runs) == 2 else "the others"
+    return (f" The rows come from {len(runs)} runs, merged by python -m splitkv.bench --merge; every floor is at "
+            f"the first run's read bandwidth ({rest} measured {others} TB/s).")
+
+
 def _footer(result: dict) -> List[str]:
     bw = result["read_bandwidth"] / 1e12
     t = result.get("timing", {})
@@ -242,7 +253,8 @@ def _footer(result: dict) -> List[str]:
         f"torch {result['torch']}, triton {result['triton']}, {result['date']}; "
         f"{result['draft_tokens']} draft tokens per sequence (causal chain), random kv_indices. "
         f"µs = median of triton.testing.do_bench (L2 flushed"
-        + (f", rep {t['rep_ms']:g} ms" if t.get("rep_ms") else "") + ") over CUDA-graph replays.",
+        + (f", rep {t['rep_ms']:g} ms" if t.get("rep_ms") else "") + ") over CUDA-graph replays."
+        + _parts_note(result),
         "floor = prefix K+V bytes / measured read bandwidth; gather floor = best time of a bare kernel that "
         "only gathers and sums the same K/V rows through the same kv_indices (splitkv.bench.floors), over a grid "
         "of launch settings; invariant = splitkv with split_tokens="

@@ -36,6 +36,7 @@ plots into ``figures/`` (:mod:`splitkv.bench.plots`).
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -66,6 +67,7 @@ __all__ = [
     "bench_shapes",
     "best_time",
     "main",
+    "merge_results",
     "plan_run",
     "run_benchmark",
     "small_shapes",
@@ -324,6 +326,52 @@ def _save(result: dict, out_path: Optional[str]) -> None:
             json.dump(result, f, indent=1)
 
 
+#: What every part of a merged result must share (see :func:`merge_results`).
+_MERGE_SAME = ("device", "num_sms", "torch", "triton", "python", "draft_tokens", "dtype", "fp8_scales",
+               "invariant_split_tokens", "implementations", "timing")
+
+
+def merge_results(parts: Sequence[dict]) -> dict:
+    """One result record from runs made in parts (for instance one per ``--models``), in the order given.
+
+    The rows follow one another, the elapsed seconds add up, and every floor
+    is taken at the first part's read bandwidth, as one run's would be: each
+    later row's ``floor_us``, ``splitkv_over_floor`` and ``pct_bw`` are scaled
+    by the ratio of the two bandwidths (``read_bandwidth_runs`` keeps every
+    part's). The dates of the parts are joined where they differ.
+
+    Raises:
+        ValueError: on no parts, parts that differ in a setting of ``_MERGE_SAME``,
+            or a row (model, batch, prefix, pool) measured twice.
+    """
+    if not parts:
+        raise ValueError("nothing to merge")
+    first = parts[0]
+    for key in _MERGE_SAME:
+        if any(p.get(key) != first.get(key) for p in parts[1:]):
+            raise ValueError(f"the parts differ in {key}: they are not one benchmark")
+    merged = copy.deepcopy(dict(first))
+    merged["rows"], seen = [], set()
+    for part in parts:
+        scale = part["read_bandwidth"] / first["read_bandwidth"]
+        for row in copy.deepcopy(part["rows"]):
+            key = (row["model"], row["batch"], row["prefix"], row["kv_dtype"])
+            if key in seen:
+                raise ValueError(f"row {key} is in more than one part")
+            seen.add(key)
+            row["floor_us"] *= scale
+            if row.get("splitkv_over_floor") is not None:
+                row["splitkv_over_floor"] /= scale
+            for rec in row["impls"].values():
+                if rec.get("pct_bw") is not None:
+                    rec["pct_bw"] *= scale
+            merged["rows"].append(row)
+    merged["elapsed_s"] = sum(p["elapsed_s"] for p in parts)
+    merged["read_bandwidth_runs"] = [p["read_bandwidth"] for p in parts]
+    merged["date"] = " and ".join(dict.fromkeys(p["date"] for p in parts))
+    return merged
+
+
 def run_benchmark(models=tuple(MODEL_SHAPES), batches=BENCH_BATCHES, prefixes=BENCH_PREFIXES,
                   impls=IMPLEMENTATIONS, kv_dtypes=KV_DTYPES, progress=True, out_path=None,
                   timer: Optional[Timer] = None, gather_floor: bool = True, *,
@@ -366,7 +414,7 @@ def _k(prefix: int) -> str:
 _SMALL_ROWS = (f"{', '.join(SMALL['models'])}, each at batch {' and '.join(map(str, SMALL['batches']))} x "
                f"prefix {'/'.join(map(_k, SMALL['prefixes']))} and at batch 1 x {_k(SMALL['long_prefix'])}")
 _SMALL_GRID = (f"tokens per program {'/'.join(map(str, REDUCED_GRID['tokens_per_program']))}, "
-               f"{'/'.join(map(str, REDUCED_GRID['num_warps']))} warps: 9 settings instead of 17")
+               f"{'/'.join(map(str, REDUCED_GRID['num_warps']))} warps: 9 or 10 settings instead of 17 or 18")
 
 _SMALL_HELP = textwrap.fill(
     "--small: splitkv alone on bf16 pools, graph replays only (no eager or host times), on the rows "
@@ -388,7 +436,7 @@ sequence, random kv_indices) and KV pool (bf16, and fp8 e4m3 with k_scale 0.5,
 v_scale 2.0), each implementation is replayed from a CUDA graph and timed with
 triton.testing.do_bench (median µs, L2 flushed). Per row: floor_us (prefix KV
 bytes / measured read bandwidth), gather_floor_us (a bare kernel gathering the
-same K/V rows, best of up to 17 launch settings), their ratios to splitkv, eager
+same K/V rows, best of up to 18 launch settings), their ratios to splitkv, eager
 times, the host µs of one eager call (median of 1000 calls made back to back in
 bursts, each timed alone, on the fastest CPU at the time; fastest of 3 rounds),
 and fp8 / bf16.
@@ -446,6 +494,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="time host rounds on whatever CPU the thread runs on (default: pinned to the fastest CPU "
                          "at the time; see splitkv.bench.timing)")
     ap.add_argument("--no-gather-floor", action="store_true", help="skip the gather-floor search")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="no timing (no GPU needed): write one result from the result files of a run made in "
+                         "parts (for instance one per --models), in the order given, with its tables and plots "
+                         "(default paths as for the full sweep; --out and --figures apply)")
     return ap
 
 
@@ -513,10 +565,29 @@ def _report(result: dict, run: dict) -> None:
     print(f"total {result['elapsed_s']:.0f} s")
 
 
+def _merge_main(args) -> None:
+    """``--merge``: one result file, its tables and plots, from the parts' files."""
+    parts = []
+    for path in args.merge:
+        with open(path) as f:
+            parts.append(json.load(f))
+    result = merge_results(parts)
+    out = args.out or default_out_path(gpu_tag(result["device"]))
+    stem = os.path.splitext(out)[0]
+    if os.path.dirname(out):
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+    _save(result, out)
+    print(f"merged {len(parts)} runs ({len(result['rows'])} rows) into {out}")
+    _report(result, dict(md=stem + ".md", small=False, figures="figures" if args.figures is None else args.figures,
+                         plot_tag=os.path.basename(stem).removeprefix("benchmark_")))
+
+
 def main(argv=None):
     """The ``python -m splitkv.bench`` command line."""
+    args = _parser().parse_args(argv)  # --help works anywhere
+    if args.merge:
+        return _merge_main(args)
     if not torch.cuda.is_available():
-        _parser().parse_args(argv)  # --help works anywhere
         sys.exit("the benchmark needs a CUDA GPU (on a CPU, run `python -m splitkv demo`)")
     device = torch.cuda.get_device_name()
     run = plan_run(argv, device)
