@@ -586,6 +586,9 @@ def test_merge_results_of_a_run_in_parts():
     assert math.isclose(row["impls"]["seed"]["pct_bw"], before["impls"]["seed"]["pct_bw"] * 0.99)
     assert merged["rows"][0] == a["rows"][0] and b["rows"][0] == before  # the parts are not changed
     assert "The rows come from 2 runs" in report.format_markdown(merged)
+    b_fp8 = dict(b, kv_dtypes=["float8_e4m3fn"], date="2026-12-02")
+    both = run.merge_results([dict(a, kv_dtypes=["bfloat16"]), b_fp8])
+    assert both["kv_dtypes"] == ["bfloat16", "float8_e4m3fn"] and both["date"] == "2026-12-01 and 2026-12-02"
     assert "The rows come from" not in report.format_markdown(a)
     with pytest.raises(ValueError, match="more than one part"):
         run.merge_results([a, a])

@@ -338,7 +338,7 @@ def merge_results(parts: Sequence[dict]) -> dict:
     is taken at the first part's read bandwidth, as one run's would be: each
     later row's ``floor_us``, ``splitkv_over_floor`` and ``pct_bw`` are scaled
     by the ratio of the two bandwidths (``read_bandwidth_runs`` keeps every
-    part's). The dates of the parts are joined where they differ.
+    part's). The pools and the dates of the parts are joined.
 
     Raises:
         ValueError: on no parts, parts that differ in a setting of ``_MERGE_SAME``,
@@ -366,6 +366,7 @@ def merge_results(parts: Sequence[dict]) -> dict:
                 if rec.get("pct_bw") is not None:
                     rec["pct_bw"] *= scale
             merged["rows"].append(row)
+    merged["kv_dtypes"] = list(dict.fromkeys(d for p in parts for d in p["kv_dtypes"]))
     merged["elapsed_s"] = sum(p["elapsed_s"] for p in parts)
     merged["read_bandwidth_runs"] = [p["read_bandwidth"] for p in parts]
     merged["date"] = " and ".join(dict.fromkeys(p["date"] for p in parts))
