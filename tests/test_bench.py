@@ -111,28 +111,33 @@ def test_floor_configs_prune_registers():
     assert not floors.fits_registers(FloorConfig(64, 128, 4, 3), 256, 256, element_size=2)
 
 
+def _record_settings(monkeypatch):
+    """``floors.gather_sum`` made to record each setting it runs (the kernel still runs, under the
+    interpreter); returns the list it appends to."""
+    seen, real = [], floors.gather_sum
+
+    def spy(k_, v_, idx_, config, out=None, **kw):
+        seen.append(config)
+        return real(k_, v_, idx_, config, out, **kw)
+
+    monkeypatch.setattr(floors, "gather_sum", spy)
+    return seen
+
+
 def test_search_gather_floor_two_rounds(monkeypatch):
     """Round 1 over (BLOCK_N, tokens), round 2 over (warps, stages) at the winner; failures skipped."""
     k, v, idx = _pools(torch.float32, n_tokens=40, pool=64)
-    calls = []
+    calls = _record_settings(monkeypatch)
 
     def fake_time(fn):
         fn()  # runs the kernel for real (interpreter)
-        cfg = fake_time.current
-        calls.append(cfg)
+        cfg = calls[-1]
         if cfg.block_n == 64:
             raise RuntimeError("out of resources")
         # Fastest: BLOCK_N 32, 128 tokens; then 2 warps, 1 stage.
         return (abs(cfg.block_n - 32) + abs(cfg.tokens_per_program - 128) / 8 + 1
                 - (cfg.num_warps == 2) * 0.1 - (cfg.num_stages == 1) * 0.05)
 
-    real = floors.gather_sum
-
-    def spy(k_, v_, idx_, config, out=None, **kw):
-        fake_time.current = config
-        return real(k_, v_, idx_, config, out, **kw)
-
-    monkeypatch.setattr(floors, "gather_sum", spy)
     found = search_gather_floor(k, v, idx, fake_time)
     assert found["config"] == dict(block_n=32, tokens_per_program=128, num_warps=2, num_stages=1, block_c=0)
     assert math.isclose(found["us"], 1 - 0.15)
@@ -147,20 +152,12 @@ def test_search_gather_floor_tries_whole_rows(whole_wins, monkeypatch):
     """Rows wider than one chunk (256 columns): a third round times round 2's winner with whole rows
     per load, and keeps it only where it is faster."""
     k, v, idx = _pools(torch.float32, n_tokens=40, pool=64, h_kv=1, d=256, dv=256)
-    seen = []
+    seen = _record_settings(monkeypatch)
 
     def fake_time(fn):
         fn()
-        seen.append(fake_time.current)
-        return 5.0 - (fake_time.current.block_c > 0) * (1 if whole_wins else -1)
+        return 5.0 - (seen[-1].block_c > 0) * (1 if whole_wins else -1)
 
-    real = floors.gather_sum
-
-    def spy(k_, v_, idx_, config, out=None, **kw):
-        fake_time.current = config
-        return real(k_, v_, idx_, config, out, **kw)
-
-    monkeypatch.setattr(floors, "gather_sum", spy)
     found = search_gather_floor(k, v, idx, fake_time, **floors.REDUCED_GRID)
     # fp32 rows this wide fit the registers at 16-slot tiles only: 3 + 1 chunked settings, then whole rows.
     assert [c.block_c for c in seen] == [0] * 4 + [256]

@@ -413,7 +413,7 @@ _EPILOG = """\
 time: the default run (3 models x 4 rows, up to 12 settings per rung) spends
 most of its time compiling the rung kernels, one per rung, model and setting
 (about 120), then about 55 timings per row; --fp8 times 15 rows x two floor
-searches (up to 17 and 26 settings); --quick is sized to stay under a minute.
+searches (up to 18 and 27 settings); --quick is sized to stay under a minute.
 """
 
 

@@ -350,7 +350,7 @@ def merge_results(parts: Sequence[dict]) -> dict:
     for key in _MERGE_SAME:
         if any(p.get(key) != first.get(key) for p in parts[1:]):
             raise ValueError(f"the parts differ in {key}: they are not one benchmark")
-    merged = copy.deepcopy(dict(first))
+    merged = {key: copy.deepcopy(value) for key, value in first.items() if key != "rows"}
     merged["rows"], seen = [], set()
     for part in parts:
         scale = part["read_bandwidth"] / first["read_bandwidth"]
@@ -532,19 +532,23 @@ def plan_run(argv, device_name: str) -> dict:
     args = _parser().parse_args(argv)
     subset = any(x is not None for x in (args.models, args.batches, args.prefixes, args.impls, args.kv_dtypes))
     variant = "small" if args.small else "quick" if args.quick else "custom" if subset else ""
-    out = args.out or (None if args.small else default_out_path(gpu_tag(device_name), variant))
-    stem = os.path.splitext(out or default_out_path(gpu_tag(device_name), variant))[0]
+    default = default_out_path(gpu_tag(device_name), variant)
     figures = args.figures if args.figures is not None else "" if args.small else "figures"
     return dict(
         _plan_rows(args),
         gather_floor=not args.no_gather_floor,
         timer=dict(rep_ms=args.rep_ms, host_calls=args.host_calls, host_pin=not args.host_unpinned),
         small=args.small,
-        out=out,
-        md=stem + ".md" if out else None,
-        figures=figures,
-        plot_tag=os.path.basename(stem).removeprefix("benchmark_"),
+        **_outputs(args.out or (None if args.small else default), default, figures),
     )
+
+
+def _outputs(out: Optional[str], default: str, figures: str) -> dict:
+    """Where a result goes: ``out`` (the JSON; ``None``: no files), ``md`` beside it, the plots'
+    ``figures`` folder and ``plot_tag`` (from ``out``'s name, else from ``default``'s)."""
+    stem = os.path.splitext(out or default)[0]
+    return dict(out=out, md=stem + ".md" if out else None, figures=figures,
+                plot_tag=os.path.basename(stem).removeprefix("benchmark_"))
 
 
 def _report(result: dict, run: dict) -> None:
@@ -574,13 +578,11 @@ def _merge_main(args) -> None:
             parts.append(json.load(f))
     result = merge_results(parts)
     out = args.out or default_out_path(gpu_tag(result["device"]))
-    stem = os.path.splitext(out)[0]
     if os.path.dirname(out):
         os.makedirs(os.path.dirname(out), exist_ok=True)
     _save(result, out)
     print(f"merged {len(parts)} runs ({len(result['rows'])} rows) into {out}")
-    _report(result, dict(md=stem + ".md", small=False, figures="figures" if args.figures is None else args.figures,
-                         plot_tag=os.path.basename(stem).removeprefix("benchmark_")))
+    _report(result, dict(_outputs(out, out, "figures" if args.figures is None else args.figures), small=False))
 
 
 def main(argv=None):
