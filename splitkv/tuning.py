@@ -95,8 +95,8 @@ def _notice_if_untuned() -> None:
 #: 31.6 / 50.3 / 114.6 and the 64-row tile 33.4 / 53.9 / 122.6 (64 slices each; H200, 2026-12-02, bf16).
 #: The fp8 pool's entries are the same tiles (``measured: False``): ``--tiles --fp8`` (H200, 2026-12-03,
 #: ``figures/mla_tiles_fp8_h200.json``) found one stage 2-8 % faster on all four rows, not taken while
-#: fp8 MLA's wrong outputs under compute-sanitizer (64-key tiles only) are unexplained (benchmarks page,
-#: Known limits).
+#: fp8 MLA's wrong outputs under compute-sanitizer (64-key tiles only, worse at one stage; never seen
+#: without the tool) are unexplained (benchmarks page, Known limits).
 DEFAULT_TILES = {
     (576, block_m, kv_bytes): dict(head_dim=576, block_m=block_m, kv_bytes=kv_bytes, block_n=64, num_warps=8,
                                    num_stages=2, k_rows=False, programs_per_sm=1, measured=kv_bytes == 2)
