@@ -322,6 +322,7 @@ def _shape_rows(shape: dict, impls, kv_dtypes, timer: Timer, bandwidth: float, *
 
 def _save(result: dict, out_path: Optional[str]) -> None:
     if out_path:
+        os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
         with open(out_path, "w") as f:
             json.dump(result, f, indent=1)
 
@@ -529,7 +530,11 @@ def plan_run(argv, device_name: str) -> dict:
         (JSON) and ``md`` (``None``: no files), ``figures`` (folder or ``""``)
         and ``plot_tag`` (``roofline_<tag>.png``).
     """
-    args = _parser().parse_args(argv)
+    return _plan(_parser().parse_args(argv), device_name)
+
+
+def _plan(args: argparse.Namespace, device_name: str) -> dict:
+    """:func:`plan_run` of parsed arguments."""
     subset = any(x is not None for x in (args.models, args.batches, args.prefixes, args.impls, args.kv_dtypes))
     variant = "small" if args.small else "quick" if args.quick else "custom" if subset else ""
     default = default_out_path(gpu_tag(device_name), variant)
@@ -578,8 +583,6 @@ def _merge_main(args) -> None:
             parts.append(json.load(f))
     result = merge_results(parts)
     out = args.out or default_out_path(gpu_tag(result["device"]))
-    if os.path.dirname(out):
-        os.makedirs(os.path.dirname(out), exist_ok=True)
     _save(result, out)
     print(f"merged {len(parts)} runs ({len(result['rows'])} rows) into {out}")
     _report(result, dict(_outputs(out, out, "figures" if args.figures is None else args.figures), small=False))
@@ -593,9 +596,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("the benchmark needs a CUDA GPU (on a CPU, run `python -m splitkv demo`)")
     device = torch.cuda.get_device_name()
-    run = plan_run(argv, device)
-    if run["out"] and os.path.dirname(run["out"]):
-        os.makedirs(os.path.dirname(run["out"]), exist_ok=True)
+    run = _plan(args, device)
     print(f"{device}: " + (f"writing {run['out']} and {run['md']}" if run["out"] else "writing no files"), flush=True)
     result = run_benchmark(shapes=run["shapes"], impls=run["impls"], kv_dtypes=run["kv_dtypes"],
                            out_path=run["out"], timer=Timer(**run["timer"]), gather_floor=run["gather_floor"],
