@@ -28,11 +28,12 @@ from .kernels.merge import _merge_kernel
 from .kernels.verify import _verify_kernel
 from .launch import Launcher, _specialization, alignment_bits
 from .resources import device_shared_memory, fit_tile, rope_dim, shared_memory_reason, shares_rows
-from .schedule import (GRID_COUNTERS, MAX_GRID_SPLITS, MAX_SPLITS, MERGE_PROGRAMS, SEPARATE_MERGE, SPIN_LIMIT,
-                       LaunchLimitError, TileConfig, block_m_for, cdiv, choose_n_splits, device_sm_count, element_size,
-                       fixed_n_splits, grid_merge_block, grid_merge_rows, head_tiles, launch_block_m, launch_limit_reason,
-                       mean_prefix, merge_chunks, merge_launch_block, merge_mode, min_split_for, next_pow2, one_wave_n_splits,
-                       pool_offsets_32, rows_per_tile, tile_config, workspace_bytes)
+from .schedule import (GRID_COUNTERS, MAX_GRID_SPLITS, MAX_SPLITS, MERGE_PROGRAMS, MERGE_UNROLL, SEPARATE_MERGE,
+                       SPIN_LIMIT, LaunchLimitError, TileConfig, block_m_for, cdiv, choose_n_splits, device_sm_count,
+                       element_size, fixed_n_splits, grid_merge_block, grid_merge_rows, head_tiles, launch_block_m,
+                       launch_limit_reason, mean_prefix, merge_chunks, merge_launch_block, merge_mode, merge_unroll,
+                       min_split_for, next_pow2, one_wave_n_splits, pool_offsets_32, rows_per_tile, tile_config,
+                       workspace_bytes)
 from .tuning import min_split_tokens, programs_per_sm, small_batch_tile
 from .validate import (check_batch_invariant, check_features, check_mode, check_output, check_verify_inputs,
                        check_verify_values, interpreting)
@@ -461,7 +462,6 @@ class VerifyPlan:
             IS_CAUSAL=features["IS_CAUSAL"], HAS_WINDOW=self.window is not None,
             HAS_LOGIT_CAP=features["HAS_LOGIT_CAP"], HAS_XAI_TEMP=features["HAS_XAI_TEMP"],
             ATTEND_DRAFT=features["ATTEND_DRAFT"], HAS_SINKS=features["HAS_SINKS"], WRITE_LSE=features["WRITE_LSE"],
-            MERGE_UNROLL=4,
             DOT_PRECISION="ieee" if q_dtype == torch.float32 else None,
             # bf16 queries meet fp8 keys in float16: one instruction widens two e4m3 values
             DOT_F16=element_size(kv_dtype) == 1 and q_dtype == torch.bfloat16,
@@ -506,11 +506,12 @@ class VerifyPlan:
                           self.runner.one_launch)
         return SEPARATE_MERGE if self._spread and mode is not None else mode
 
-    def _launch_kind(self) -> Tuple[Optional[int], int]:
-        """What the launchers are compiled for: who merges, and the merge programs' rows (without merge
-        programs a fixed value, unused, so that the slice count does not make other variants)."""
+    def _launch_kind(self) -> Tuple[Optional[int], int, int]:
+        """What the launchers are compiled for: who merges, the merge programs' rows and slices loaded per
+        step (without merge programs the slice count is taken as 1, so that it makes no other variants)."""
         mode = self._merge_mode()
-        return mode, grid_merge_rows(self.n_splits if mode == MERGE_PROGRAMS else 1)
+        n_splits = self.n_splits if mode == MERGE_PROGRAMS else 1
+        return mode, grid_merge_rows(n_splits), merge_unroll(mode, n_splits)
 
     def _set_grid(self) -> None:
         """The verify grid: ``(tiles, n_splits)``, plus a tile's merge programs on axis 1 (``MERGE_PROGRAMS``)."""
@@ -523,14 +524,14 @@ class VerifyPlan:
         r, cfg = self.runner, self.config
         self._spread = self._spread or spread
         #: who merges the slices: None (one slice), LAST_PROGRAM, MERGE_PROGRAMS or SEPARATE_MERGE
-        self.merge, rows = self._launch_kind()
+        self.merge, rows, unroll = self._launch_kind()
         #: one launch: no merge kernel follows the verify kernel
         self.fused = self.merge != SEPARATE_MERGE
         # Programmatic dependent launch: the merge kernel may start while the verify grid drains,
         # since it waits for it before its first load. The verify kernel is never launched early:
         # the kernel before it (the caller's) may write q or the metadata until it ends.
         pdl = self._pdl and not self.fused
-        consts = dict(self._constexprs, MERGE=self.merge or SEPARATE_MERGE, MERGE_ROWS=rows,
+        consts = dict(self._constexprs, MERGE=self.merge or SEPARATE_MERGE, MERGE_ROWS=rows, MERGE_UNROLL=unroll,
                       MERGE_DV=grid_merge_block(self.n_splits, r.v_head_dim)[1], USE_PDL=pdl,
                       DOT_PRECISION=self._constexprs["DOT_PRECISION"])
         options = dict(self._options)
@@ -545,7 +546,7 @@ class VerifyPlan:
                            MERGE_ROWS=rows, MERGE_DV=cols,
                            PAGE_SIZE=c["PAGE_SIZE"], SPLIT_TOKENS=c["SPLIT_TOKENS"], HAS_WINDOW=c["HAS_WINDOW"],
                            HAS_SINKS=c["HAS_SINKS"], WRITE_LSE=c["WRITE_LSE"],
-                           MERGE_UNROLL=c["MERGE_UNROLL"], USE_PDL=pdl)
+                           MERGE_UNROLL=MERGE_UNROLL, USE_PDL=pdl)
             moptions = dict(num_warps=2, **({"launch_pdl": True} if pdl else {}))
             self._merge = r._launcher(("merge",) + tuple(mconsts.values()), mconsts, moptions, _merge_kernel)
             self._merge_grid = (self._tiles, cdiv(cfg.block_m, rows), cdiv(r.v_head_dim, cols))

@@ -40,7 +40,8 @@ from splitkv import (
     workspace_bytes,
 )
 from splitkv.schedule import min_split_for, n_used
-from splitkv.schedule import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE, TileConfig
+from splitkv.schedule import (GRID_MERGE_FEW, GRID_MERGE_UNROLL, LAST_PROGRAM, MERGE_PROGRAMS, MERGE_UNROLL,
+                              SEPARATE_MERGE, TileConfig, merge_unroll)
 from splitkv.testing import make_problem, paged_problem, reference_for, relative_error
 
 
@@ -562,6 +563,28 @@ def test_merge_programs_with_every_feature(feature):
     assert spread.merge == SEPARATE_MERGE and spread.n_splits == plan.n_splits
     spread_o, spread_lse = run_with_lse(spread, p)
     assert torch.equal(spread_o, out) and torch.equal(spread_lse, lse)
+
+
+def test_merge_programs_load_more_slices_per_step_in_long_launches():
+    """Past ``GRID_MERGE_FEW`` slices a merge program loads ``GRID_MERGE_UNROLL`` slices per step, every
+    other merge ``MERGE_UNROLL``: the order is the same, so are the bits (against the second launch)."""
+    few = GRID_MERGE_FEW
+    assert merge_unroll(MERGE_PROGRAMS, few + 1) == GRID_MERGE_UNROLL > MERGE_UNROLL
+    assert merge_unroll(MERGE_PROGRAMS, few) == merge_unroll(LAST_PROGRAM, 64) == MERGE_UNROLL
+    assert merge_unroll(SEPARATE_MERGE, 64) == MERGE_UNROLL
+    p = make_problem([12 * MIN_SPLIT + 5, 9 * MIN_SPLIT + 3], [4, 3], 8, 1, 32, dtype=torch.float32,
+                     device=DEVICE, seed=21)
+    shape = (8, 1, 32, 32, p.max_len_extend, p.batch_size)
+    plan = plan_of(VerifySplitKV(*shape, DEVICE, n_splits=12), p)
+    assert plan.merge == MERGE_PROGRAMS and plan._launch.constexprs["MERGE_UNROLL"] == GRID_MERGE_UNROLL
+    assert max(slices_used(plan, p)) > few
+    out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    spread = plan_of(VerifySplitKV(*shape, DEVICE, n_splits=12, one_launch=False), p)
+    assert spread._merge.constexprs["MERGE_UNROLL"] == MERGE_UNROLL
+    ref = spread.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    assert torch.equal(out, ref)
+    assert_matches_reference(out, p)
+    assert all_counters_zero()
 
 
 def test_merge_programs_give_way_when_the_kernel_spills(monkeypatch):
