@@ -3,7 +3,10 @@ plan's slices; the fp8 floor's heads-together gather reads what the per-head one
 
 import itertools
 import math
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -151,6 +154,40 @@ def test_rung4_scratch_holds_rung3_states(dtype):
     assert torch.allclose(four.part_o.view(-1, p.v_head_dim)[written], want_o[written], rtol=1e-5, atol=1e-6)
     assert torch.allclose(four.part_lse[written], want_lse[written], rtol=1e-5, atol=1e-5)
     assert torch.isnan(four.out).all()  # rung 4 writes the partials instead of a checksum
+
+
+#: Compiles every rung of the ladder kernel for sm_90 (bf16, Llama-3-8B's tile) and prints each rung's PTX size.
+_COMPILE_RUNGS = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from splitkv.bench.ladder_kernels import _rung_kernel
+
+pointers = dict(Q="*bf16", K_Ext="*bf16", V_Ext="*bf16", K_Buf="*bf16", V_Buf="*bf16", qo_indptr="*i32",
+                kv_indptr="*i32", kv_indices="*i64", Out="*fp32", Part_O="*fp32", Part_LSE="*fp32", Part_L="*fp32")
+sig = {a.name: "constexpr" if a.is_constexpr else pointers.get(a.name, "fp32" if "scale" in a.name else "i32")
+       for a in _rung_kernel.params}
+for rung in (1, 2, 3, 4):
+    consts = dict(RUNG=rung, EXPOSE=False, GROUP=4, NUM_KV_HEADS=8, M_BLOCKS=1, HEAD_DIM=128, V_HEAD_DIM=128,
+                  BLOCK_M=16, BLOCK_N=64, BLOCK_D=128, BLOCK_DV=128, BLOCK_N_DRAFT=16, K_ROWS=False,
+                  OFFSETS_32=True, DOT_PRECISION=None)
+    kernel = triton.compile(ASTSource(fn=_rung_kernel, signature=sig, constexprs=consts),
+                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+    print("rung", rung, len(kernel.asm["ptx"]))
+"""
+
+
+def test_every_rung_compiles_for_hopper():
+    """The interpreter runs code that the compiler refuses (a loop-carried tile whose dtype changes, say),
+    so each rung is also compiled for sm_90 in bf16, as the H200 runs it. Compiling needs no GPU; it runs
+    in a process of its own, since the kernels' ``@triton.jit`` reads ``TRITON_INTERPRET`` at import."""
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    done = subprocess.run([sys.executable, "-c", _COMPILE_RUNGS], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sizes = [line.split() for line in done.stdout.splitlines() if line.startswith("rung")]
+    assert [int(rung) for _, rung, _ in sizes] == [1, 2, 3, 4]
+    assert all(int(size) > 0 for _, _, size in sizes)
 
 
 def test_rungs_follow_the_verify_plan():

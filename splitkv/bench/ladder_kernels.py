@@ -8,8 +8,8 @@ kernel, found by the same ``_tile_slices``. ``RUNG`` says how much of the
 kernel's work the slice does:
 
 1. gather: load the slice's slots, gather its K and V rows (K in the layout
-   the dot takes), keep their element-wise maximum in the pool's dtype (one
-   instruction per pair of elements, and no more registers than the tiles
+   the dot takes), keep their element-wise maximum in the pool's dtype (a
+   compare and a select per element, and no more registers than the tiles
    themselves, as in the rungs above it; float32 sums would hold twice as many);
 2. + the QK dot: the query tile is loaded, scores ``q k^T`` computed and each
    row's maximum kept (V is still only kept as in rung 1, so that its loads stay);
@@ -62,6 +62,14 @@ def _gather_tile(K_Buf, V_Buf, kv_indices, kv_start, offs_n, n_ok, pool_tokens, 
     v = tl.load(V_Buf + slot[:, None] * stride_vbt + kv_head * stride_vbh + offs_dv[None, :],
                 mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
     return k, v, n_ok
+
+
+@triton.jit
+def _keep_max(acc, x):
+    """The element-wise maximum of two tiles of the pool's dtype, in that dtype. A compare and a select,
+    not ``tl.maximum``: Triton 3.6 widens bf16 operands of ``tl.maximum`` to float32, which would change
+    the loop-carried tile's type (a compile error) and add two conversions per element."""
+    return tl.where(x > acc, x, acc)
 
 
 @triton.jit
@@ -133,12 +141,12 @@ def _rung_kernel(
                                       kv_head, offs_d, offs_dv, d_ok, dv_ok, stride_kbt, stride_kbh, stride_vbt,
                                       stride_vbh, K_ROWS, OFFSETS_32)
             if RUNG == 1:
-                acc_k = tl.maximum(acc_k, k)
-                acc_v = tl.maximum(acc_v, v)
+                acc_k = _keep_max(acc_k, k)
+                acc_v = _keep_max(acc_v, v)
             elif RUNG == 2:
                 s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
                 m_i = tl.maximum(m_i, tl.max(tl.where(n_ok[None, :], s, float("-inf")), 1))
-                acc_v = tl.maximum(acc_v, v)
+                acc_v = _keep_max(acc_v, v)
             else:
                 m_i, l_i, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), n_ok[None, :], qk_scale,
                                              m_i, l_i, acc, 0.0, m_i, False, False, DOT_PRECISION)
