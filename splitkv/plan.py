@@ -28,8 +28,8 @@ from .kernels.merge import _merge_kernel
 from .kernels.verify import _verify_kernel
 from .launch import Launcher, _specialization, alignment_bits
 from .resources import device_shared_memory, fit_tile, rope_dim, shared_memory_reason, shares_rows
-from .schedule import (GRID_COUNTERS, MAX_GRID_SPLITS, MAX_SPLITS, MERGE_PROGRAMS, MERGE_UNROLL, SEPARATE_MERGE,
-                       SPIN_LIMIT, LaunchLimitError, TileConfig, block_m_for, cdiv, choose_n_splits, device_sm_count,
+from .schedule import (GRID_COUNTERS, MAX_GRID_SPLITS, MAX_SPLITS, MERGE_PROGRAMS, SEPARATE_MERGE, SPIN_LIMIT,
+                       LaunchLimitError, TileConfig, block_m_for, cdiv, choose_n_splits, device_sm_count,
                        element_size, fixed_n_splits, grid_merge_block, grid_merge_rows, head_tiles, launch_block_m,
                        launch_limit_reason, mean_prefix, merge_chunks, merge_launch_block, merge_mode, merge_unroll,
                        min_split_for, next_pow2, one_wave_n_splits, pool_offsets_32, rows_per_tile, tile_config,
@@ -546,7 +546,7 @@ class VerifyPlan:
                            MERGE_ROWS=rows, MERGE_DV=cols,
                            PAGE_SIZE=c["PAGE_SIZE"], SPLIT_TOKENS=c["SPLIT_TOKENS"], HAS_WINDOW=c["HAS_WINDOW"],
                            HAS_SINKS=c["HAS_SINKS"], WRITE_LSE=c["WRITE_LSE"],
-                           MERGE_UNROLL=MERGE_UNROLL, USE_PDL=pdl)
+                           MERGE_UNROLL=merge_unroll(SEPARATE_MERGE, self.n_splits), USE_PDL=pdl)
             moptions = dict(num_warps=2, **({"launch_pdl": True} if pdl else {}))
             self._merge = r._launcher(("merge",) + tuple(mconsts.values()), mconsts, moptions, _merge_kernel)
             self._merge_grid = (self._tiles, cdiv(cfg.block_m, rows), cdiv(r.v_head_dim, cols))
