@@ -58,8 +58,8 @@ def _scale_value(name: str, value) -> float:
     return float(value)
 
 
-def _launch_config(head_dim: int, v_head_dim: int) -> tuple:
-    """``(BLOCK_M, BLOCK_N, num_warps)`` for a head size."""
+def _launch_config(head_dim: int, v_head_dim: int, elem_bytes: int) -> tuple:
+    """``(BLOCK_M, BLOCK_N, num_warps)`` for a head size and the queries' bytes per element."""
     if interpreting():
         # Interpreter cost is per operation, not per element: small but not
         # tiny tiles keep the CPU tests quick.
@@ -70,8 +70,9 @@ def _launch_config(head_dim: int, v_head_dim: int) -> tuple:
         return 64, 32, 8
     # MLA (two chunks, 512 + rope): 16 draft rows a program (a verify step has a few), 64 keys, 8 warps.
     # H200, bf16, 4 drafts, at 16 heads 1 x 4k / 16 heads 8 x 16k / 128 heads 8 x 4k: 539 / 2203 / 4367 us,
-    # against 1017 / 7175 / 14669 for 32 rows and 32 keys (the 256-wide heads' tile).
-    return 16, 64, 8
+    # against 1017 / 7175 / 14669 for 32 rows and 32 keys (the 256-wide heads' tile). In float32 a
+    # 64-key tile of K and V (576 + 512 columns) would need 272 KB of shared memory: 32 keys.
+    return 16, 64 if elem_bytes <= 2 else 32, 8
 
 
 def _supported_head(head_dim: int, v_head_dim: int) -> bool:
@@ -210,7 +211,7 @@ def extend_attention_fwd(
         sm_scale = 1.0 / math.sqrt(dims.head_dim)
     window = -1 if sliding_window_size is None else int(sliding_window_size)
 
-    block_m, block_n, num_warps = _launch_config(dims.head_dim, dims.v_head_dim)
+    block_m, block_n, num_warps = _launch_config(dims.head_dim, dims.v_head_dim, q_extend.element_size())
     rope = rope_dim(dims.head_dim, dims.v_head_dim)
     grid = (dims.batch_size, dims.num_q_heads, triton.cdiv(max_len_extend, block_m))
     _extend_attention_kernel[grid](

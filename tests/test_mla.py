@@ -22,7 +22,8 @@ import torch
 
 from conftest import (DEVICE, DTYPES, MIN_SPLIT, TOLERANCE, all_counters_zero, assert_close,
                       assert_matches_reference, gate_call, gpu, plan_options, poisoned_workspace_runner)
-from splitkv import VerifyError, VerifySplitKV, decline_reason, extend_attention_fwd, gate, schedule, verify_attention
+from splitkv import (VerifyError, VerifySplitKV, check_device_errors, decline_reason, extend_attention_fwd, gate,
+                     schedule, verify_attention)
 from splitkv.bench import mla as bench_mla
 from splitkv.resources import H200_SHARED_MEMORY, shared_memory_bytes, shares_rows
 from splitkv.schedule import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE, TileConfig
@@ -256,6 +257,7 @@ def test_checked_mode_reports_a_slot_outside_the_pool():
     indices[PREFIXES[0] + 3] = p.k_buffer.shape[0] + 1000  # sequence 2's fourth key (sequence 1 has none)
     with pytest.raises(VerifyError, match=r"sequence 2: kv_indices holds a slot \(or page id\) outside the pool"):
         verify_attention(*p.replace(kv_indices=indices).tensors(p.new_output()), **p.options(), check=True)
+        check_device_errors(DEVICE)  # on a GPU the kernel reports once the device is done
 
 
 def test_a_plan_made_on_views_refuses_separate_values():
@@ -357,7 +359,7 @@ class _CallTimer:
 def test_bench_row_wiring():
     """One row on a tiny CPU problem with a timer that only calls: splitkv, the extend baseline and SDPA
     run and agree, and the table shows them."""
-    p = bench_mla.mla_problem(4, 2, 40, device="cpu", dtype=torch.float32)
+    p = bench_mla.mla_problem(4, 2, 40, device=DEVICE, dtype=torch.float32)
     row = bench_mla.bench_row(p, _CallTimer(), bandwidth=1e12, impls=("splitkv", "extend", "sdpa"))
     ours, extend, sdpa = (row["impls"][name] for name in ("splitkv", "extend", "sdpa"))
     assert ours["us"] == extend["us"] == sdpa["us"] == 10.0 and ours["kv_shared"]
@@ -371,7 +373,7 @@ def test_bench_row_wiring():
 def test_bench_fp8_row_wiring():
     """``--fp8``'s row: the cache quantised once (values still a view of it, one byte per element), splitkv
     timed on both caches of the draw and its outputs compared, the table's fp8 columns."""
-    p = bench_mla.mla_problem(4, 2, 40, device="cpu", dtype=torch.float16)
+    p = bench_mla.mla_problem(4, 2, 40, device=DEVICE, dtype=torch.float16)
     q = bench_mla.fp8_latent(p)
     assert q.k_buffer.dtype == torch.float8_e4m3fn and shares_rows(q.k_buffer, q.v_buffer)
     assert q.k_scale == q.v_scale == bench_mla.FP8_SCALE
