@@ -17,6 +17,7 @@ if not CUDA:
     # triton.jit reads this when the kernels are defined, so set it first.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from splitkv import VerifyError, check_device_errors  # noqa: E402
 from splitkv.testing import ROW_TOLERANCE, TOLERANCE, make_problem, reference_for, relative_error  # noqa: E402,F401
 from splitkv.tuning import min_split_tokens  # noqa: E402
 
@@ -31,6 +32,18 @@ DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if CUDA else [])
 MIN_SPLIT = min_split_tokens()
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _no_fault_left_pending():
+    """Each test consumes the faults its checked calls store: on a GPU a checked kernel reports through the
+    device's error word after the call has returned, and a fault left there would be raised by the next
+    test's first checked call instead."""
+    yield
+    try:
+        check_device_errors(DEVICE)
+    except VerifyError as e:
+        pytest.fail(f"the test left a device fault pending: {e}")
 
 
 # --- comparing against the oracle ------------------------------------------------

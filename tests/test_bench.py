@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import CUDA, DEVICE
 
 from splitkv.bench import breadth, floors, peers, report, run, timing
 from splitkv.bench.floors import FloorConfig, gather_sum, search_gather_floor
@@ -293,10 +293,12 @@ def test_small_mode_end_to_end_on_cpu(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(run, "SMALL", dict(models=("tiny",), batches=(1, 2), prefixes=(32,), long_prefix=96))
     monkeypatch.setattr(run, "measure_read_bandwidth", lambda: 1e12)
     monkeypatch.setattr(run, "Timer", SmallTimer)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"multi_processor_count": 132}))
+    if not CUDA:  # the benchmark asks the GPU for these; on a GPU the plans read the real properties
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda *a: type("P", (), {"multi_processor_count": 132}))
     monkeypatch.chdir(tmp_path)
     run.main(["--small"])
     assert list(tmp_path.iterdir()) == []  # nothing written, no figures/ folder
@@ -427,7 +429,9 @@ def test_run_benchmark_loop_on_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(run, "MODEL_SHAPES", {"tiny": HeadShape("tiny", 4, 2, 64)})
     monkeypatch.setattr(run, "measure_read_bandwidth", lambda: 1e12)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"multi_processor_count": 132}))
+    if not CUDA:
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda *a: type("P", (), {"multi_processor_count": 132}))
     out = tmp_path / "run.json"
     result = run.run_benchmark(["tiny"], [1, 2], [32], ("splitkv", "extend", "sdpa"),
                                  timer=FakeTimer(), out_path=str(out), progress=False, gather_floor=False)
@@ -437,7 +441,7 @@ def test_run_benchmark_loop_on_cpu(monkeypatch, tmp_path):
     assert [(r["batch"], r["kv_dtype"]) for r in rows] == [
         (1, "float32"), (1, "float8_e4m3fn"), (2, "float32"), (2, "float8_e4m3fn")]
     for r in rows[1::2]:
-        assert set(r["impls"]) == {"splitkv", "extend"} and r["fp8_over_bf16"] == 1.0
+        assert set(r["impls"]) == {"splitkv", "extend"} and r["fp8_over_bf16"] == 1.0, r
         assert (r["k_scale"], r["v_scale"]) == (0.5, 2.0)
     assert all(r["splitkv_over_floor"] == 40.0 / r["floor_us"] for r in rows)
     assert saved["device"] == "NVIDIA H200" and saved["elapsed_s"] > 0

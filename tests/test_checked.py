@@ -15,11 +15,13 @@ the interpreter an out-of-bounds load reads real memory, so a stray access
 shows up as NaN in the output, a changed guard row, or a crash.
 """
 
+import contextlib
+
 import pytest
 import torch
 
-from conftest import build_case, run_unchecked_in_subprocess
-from splitkv import VerifyError, verify_attention, verify_splitkv_fwd
+from conftest import DEVICE, build_case, run_unchecked_in_subprocess
+from splitkv import VerifyError, check_device_errors, verify_attention, verify_splitkv_fwd
 
 BASE = dict(prefix_lens=[40, 30], extend_lens=[6, 4], num_q_heads=4, num_kv_heads=2, head_dim=16, seed=5)
 
@@ -74,11 +76,17 @@ SHORT_MAX_LEN_EXTEND = ("drafts 40 + 40, max_len_extend 4", "drafts [1, 40], max
 CHECKS = pytest.mark.parametrize("check", [True, "full"], ids=["kernel", "full"])
 
 
+@contextlib.contextmanager
 def _expect(case, check):
-    """``pytest.raises`` for a checked call of ``case``: the kernel's VerifyError, or the host check's ValueError."""
+    """A checked call of ``case`` raises: the kernel's VerifyError (on a GPU once the device is done:
+    :func:`splitkv.check_device_errors`), or the host check's ValueError, at the call."""
     if check == "full":
-        return pytest.raises(ValueError, match=case["match"])
-    return pytest.raises(VerifyError, match=case["kernel"])
+        with pytest.raises(ValueError, match=case["match"]):
+            yield
+        return
+    with pytest.raises(VerifyError, match=case["kernel"]):
+        yield
+        check_device_errors(DEVICE)
 
 
 def _untouched_unless_kernel(out, check):

@@ -17,10 +17,11 @@
 import os
 from datetime import timedelta
 
+import numpy
 import pytest
 import torch
 
-from conftest import CUDA, TOLERANCE
+from conftest import CUDA, DEVICE, TOLERANCE
 from splitkv import VerifySplitKV, verify_attention
 from splitkv.parallel import (
     ContextParallelVerify,
@@ -59,7 +60,9 @@ def assert_close(out, ref, dtype, what="output"):
 
 
 def small(prefix_lens, extend_lens=4, dtype=torch.float16, **kw):
+    """A small problem on the device the kernels run on (the interpreter's CPU, or the GPU)."""
     kw.setdefault("seed", 0)
+    kw.setdefault("device", DEVICE)
     return make_problem(prefix_lens, extend_lens, kw.pop("num_q_heads", 4), kw.pop("num_kv_heads", 2),
                         kw.pop("head_dim", 32), dtype=dtype, **kw)
 
@@ -107,7 +110,7 @@ def test_shard_prefix_empty_shard_is_padded():
 
 def test_shard_prefix_indptr_not_starting_at_zero():
     p = small([30, 12], 1)
-    kvi = torch.cat([torch.full((5,), -7, dtype=p.kv_indices.dtype), p.kv_indices])
+    kvi = torch.cat([torch.full((5,), -7, dtype=p.kv_indices.dtype, device=p.kv_indices.device), p.kv_indices])
     kvp = p.kv_indptr + 5
     for rank in range(2):
         a = shard_prefix(kvp, kvi, 2, rank, "chunk")
@@ -192,7 +195,7 @@ def test_the_global_mask_is_wrong_for_a_shard():
     """Why shard_mask exists: the kernel offsets mask rows by the local prefix length."""
     p = small([60, 45], [6, 5], dtype=torch.float32, mask="tree", seed=4)
     lp = shard_problem(p, 2, 1, "chunk")
-    runner = VerifySplitKV(4, 2, 32, 32, 6, 2, "cpu")
+    runner = VerifySplitKV(4, 2, 32, 32, 6, 2, DEVICE)
     ref = reference_for(lp)  # the local keys and the drafts, under the tree
     good = runner(*lp.args(lp.new_output())[:9], custom_mask=lp.custom_mask, mask_indptr=lp.mask_indptr,
                   is_causal=True, sm_scale=lp.sm_scale)
@@ -211,10 +214,12 @@ def _prefix_only_state(lp, attend_draft, sinks):
         o, s = reference_for(lp, return_lse=True, sinks=sinks)
     else:
         L = lp.extend_lens
-        blocks = [torch.cat([torch.ones(l, n, dtype=torch.bool), torch.zeros(l, l, dtype=torch.bool)], 1).flatten()
+        dev = lp.q_extend.device
+        blocks = [torch.cat([torch.ones(l, n, dtype=torch.bool, device=dev),
+                             torch.zeros(l, l, dtype=torch.bool, device=dev)], 1).flatten()
                   for n, l in zip(lp.prefix_lens, L)]
-        mptr = torch.zeros(len(blocks) + 1, dtype=torch.int64)
-        mptr[1:] = torch.cumsum(torch.tensor([x.numel() for x in blocks]), 0)
+        mptr = torch.zeros(len(blocks) + 1, dtype=torch.int64, device=dev)
+        mptr[1:] = torch.cumsum(torch.tensor([x.numel() for x in blocks], device=dev), 0)
         o, s = reference_for(lp, return_lse=True, custom_mask=torch.cat(blocks), mask_indptr=mptr, sinks=None)
     empty = torch.isinf(s) | torch.isnan(s)
     return torch.where(empty[..., None], 0.0, o), torch.where(empty, float("-inf"), s)
@@ -277,7 +282,7 @@ def test_world_of_one_paged_with_logit_cap():
     p = small([90, 5, 0], [4, 3, 2], dtype=torch.float32, mask="tree", sinks=True, seed=9)
     pp = paged_problem(p, 16, seed=3)
     cap = 4.0
-    cp = ContextParallelVerify(4, 2, 32, 32, 4, 3, "cpu", n_splits=3)
+    cp = ContextParallelVerify(4, 2, 32, 32, 4, 3, DEVICE, n_splits=3)
     plan = cp.plan(p.q_extend, p.k_extend, p.v_extend, pp.k_pages, pp.v_pages, p.qo_indptr, pp.kv_indptr,
                    pp.kv_indices, custom_mask=p.custom_mask, mask_indptr=p.mask_indptr, is_causal=p.is_causal,
                    sm_scale=p.sm_scale, sinks=p.sinks, logit_cap=cap, kv_last_page_len=pp.kv_last_page_len,
@@ -304,8 +309,8 @@ def test_shard_paged_problem_is_a_paged_problem():
 
 
 def _token_indptr(p, lens):
-    indptr = torch.zeros(len(lens) + 1, dtype=p.kv_indptr.dtype)
-    indptr[1:] = torch.cumsum(torch.tensor(lens), 0)
+    indptr = torch.zeros(len(lens) + 1, dtype=p.kv_indptr.dtype, device=p.kv_indptr.device)
+    indptr[1:] = torch.cumsum(torch.tensor(lens, device=indptr.device), 0)
     return indptr
 
 
@@ -317,12 +322,12 @@ def _tail_slots(p, lens):
 
 def test_world_of_one_without_distributed():
     p = small([90, 5], [4, 3], dtype=torch.float32, mask="chain", sinks=True, seed=7)
-    cp = ContextParallelVerify(4, 2, 32, 32, 4, 2, "cpu")
+    cp = ContextParallelVerify(4, 2, 32, 32, 4, 2, DEVICE)
     assert (cp.rank, cp.world_size, cp.merges, cp.owns_draft) == (0, 1, True, True)
     plan = cp.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
                    p.kv_indices, custom_mask=p.custom_mask, mask_indptr=p.mask_indptr, is_causal=p.is_causal,
                    sm_scale=p.sm_scale, sinks=p.sinks, return_lse=True)
-    lse = torch.empty(plan.out_shape[:2], dtype=torch.float32)
+    lse = torch.empty(plan.out_shape[:2], dtype=torch.float32, device=DEVICE)
     out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, lse=lse)
     want, want_lse = verify_attention(*p.tensors(p.new_output()), **p.options(), return_lse=True)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)  # the plain split path, same kernel
@@ -333,10 +338,15 @@ def test_world_of_one_without_distributed():
 
 def test_bad_runner_arguments():
     with pytest.raises(ValueError, match="draft_rank"):
-        ContextParallelVerify(4, 2, 32, 32, 4, 2, "cpu", draft_rank=1)
+        ContextParallelVerify(4, 2, 32, 32, 4, 2, DEVICE, draft_rank=1)
     with pytest.raises(ValueError, match="dst"):
-        ContextParallelVerify(4, 2, 32, 32, 4, 2, "cpu", dst=[0, 3])
-    p = small([10], 4, dtype=torch.bfloat16)
+        ContextParallelVerify(4, 2, 32, 32, 4, 2, DEVICE, dst=[0, 3])
+
+
+@pytest.mark.skipif(CUDA, reason="the Triton interpreter's refusal; a GPU runs bfloat16")
+def test_the_interpreter_refuses_bfloat16():
+    """Its bf16 tl.dot is wrong (triton-lang/triton#11584), so the plan refuses bf16 on the CPU."""
+    p = small([10], 4, dtype=torch.bfloat16, device="cpu")
     cp = ContextParallelVerify(4, 2, 32, 32, 4, 1, "cpu")
     with pytest.raises(NotImplementedError, match="bfloat16"):
         cp.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
@@ -346,6 +356,12 @@ def test_bad_runner_arguments():
 # ---- Two processes, gloo -------------------------------------------------------------------------
 
 HEADS = dict(num_q_heads=4, num_kv_heads=2, head_dim=32)
+#: The gloo worlds' processes run CPU tensors through the interpreter, whatever the machine.
+INTERPRET = {"TRITON_INTERPRET": "1"}
+#: That interpreter needs NumPy < 2.4 (the ``interpreter`` extra); a GPU machine may have a newer one.
+gloo_world = pytest.mark.skipif(
+    CUDA and tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4),
+    reason="the gloo world runs the Triton interpreter, which needs NumPy < 2.4 (pip install -e .[interpreter])")
 CASES = {
     # name: (case for run_cases, ranks expected to merge)
     "chunk_fp16_causal": dict(problem=dict(prefix_lens=[300, 57], extend_lens=4, dtype=torch.float16, seed=10,
@@ -373,11 +389,13 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def gloo_results():
-    """Every case run once by a world of two spawned processes (gloo, 127.0.0.1)."""
-    results = launch_local(run_cases, 2, list(CASES.values()), timeout_s=300)
+    """Every case run once by a world of two spawned processes (gloo, 127.0.0.1; CPU tensors through the
+    interpreter, on a machine with a GPU too)."""
+    results = launch_local(run_cases, 2, list(CASES.values()), timeout_s=300, env=INTERPRET)
     return {name: [results[r][i] for r in range(2)] for i, name in enumerate(CASES)}
 
 
+@gloo_world
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_process_gloo(gloo_results, name):
     case = CASES[name]
@@ -402,9 +420,10 @@ def test_two_process_gloo(gloo_results, name):
 def test_launch_local_reports_a_failing_rank():
     bad = dict(problem=dict(prefix_lens=[10], dtype=torch.float32, seed=0, **HEADS), mode="zigzag")
     with pytest.raises(RuntimeError, match="unknown shard mode"):
-        launch_local(run_cases, 1, [bad], timeout_s=120)  # one process is enough to see it
+        launch_local(run_cases, 1, [bad], timeout_s=120, env=INTERPRET)  # one process is enough to see it
 
 
+@gloo_world
 def test_two_process_gloo_empty_state(gloo_results):
     """A rank holding no key (and not the drafts) contributes s = -inf everywhere."""
     rank1 = gloo_results["rank1_holds_nothing"][1]

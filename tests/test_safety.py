@@ -194,6 +194,7 @@ def test_merge_programs_stop_waiting_on_corrupted_counters(where, monkeypatch):
 def _checked_fault(p, match, **kw):
     with pytest.raises(VerifyError, match=match):
         verify_attention(*p.tensors(p.new_output()), **{**p.options(), **kw})
+        check_device_errors(DEVICE)  # on a GPU the kernel reports once the device is done
 
 
 def test_checked_kernel_finds_a_slot_outside_the_pool():
@@ -231,6 +232,7 @@ def test_checked_kernel_finds_a_bad_last_page_length():
     last[0] = 17
     with pytest.raises(VerifyError, match="sequence 0: kv_last_page_len"):
         verify_attention(*pp.tensors(pp.problem.new_output()), **{**pp.options(), "kv_last_page_len": last})
+        check_device_errors(DEVICE)
 
 
 def test_checked_kernel_finds_a_prefix_past_max_prefix_len():
@@ -258,6 +260,7 @@ def test_the_drop_in_checks_under_splitkv_check(monkeypatch):
     monkeypatch.setenv("SPLITKV_CHECK", "1")
     with pytest.raises(VerifyError, match="sequence 0: kv_indices"):
         verify_splitkv_fwd(*bad.args(bad.new_output()), **bad.kwargs())
+        check_device_errors(DEVICE)
     monkeypatch.setenv("SPLITKV_CHECK", "full")
     with pytest.raises(ValueError, match=r"kv_indices\[3\]"):
         verify_splitkv_fwd(*bad.args(bad.new_output()), **bad.kwargs())

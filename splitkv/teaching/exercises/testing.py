@@ -23,6 +23,7 @@ import torch
 
 from ...plan import VerifySplitKV
 from ...testing import TOLERANCE, make_problem, reference_for, relative_error
+from ..lessons import DEVICE
 
 __all__ = ["N_SPLITS", "real_kernel", "PLANTED", "solution_test", "check_test"]
 
@@ -98,7 +99,7 @@ _HINTS = {
 def solution_test(kernel: Callable) -> None:
     """One ragged batch of fresh random data against the float64 oracle, into a NaN-poisoned output."""
     p = make_problem([150, 37, 0], [4, 3, 2], num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float16,
-                     seed=torch.randint(1 << 30, ()).item())
+                     device=DEVICE, seed=torch.randint(1 << 30, ()).item())
     out = p.new_output()  # NaN: an element the kernel does not write cannot pass
     kernel(p, out)
     err = relative_error(out, reference_for(p))
