@@ -2,6 +2,7 @@
 problem surgery (concatenation, guard bands), and the subprocess harness that runs
 malformed calls unchecked where a crash cannot take pytest down."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -44,6 +45,16 @@ def _no_fault_left_pending():
         check_device_errors(DEVICE)
     except VerifyError as e:
         pytest.fail(f"the test left a device fault pending: {e}")
+
+
+@contextlib.contextmanager
+def raises_kernel_fault(match):
+    """``pytest.raises(VerifyError, match=match)`` around checked calls. On a GPU a checked kernel's fault
+    reaches the host once the device is done, not necessarily at the call that launched it: the block
+    ends with :func:`splitkv.check_device_errors` (under the interpreter the call has raised already)."""
+    with pytest.raises(VerifyError, match=match):
+        yield
+        check_device_errors(DEVICE)
 
 
 # --- comparing against the oracle ------------------------------------------------

@@ -20,8 +20,8 @@ import contextlib
 import pytest
 import torch
 
-from conftest import DEVICE, build_case, run_unchecked_in_subprocess
-from splitkv import VerifyError, check_device_errors, verify_attention, verify_splitkv_fwd
+from conftest import build_case, raises_kernel_fault, run_unchecked_in_subprocess
+from splitkv import verify_attention, verify_splitkv_fwd
 
 BASE = dict(prefix_lens=[40, 30], extend_lens=[6, 4], num_q_heads=4, num_kv_heads=2, head_dim=16, seed=5)
 
@@ -78,15 +78,14 @@ CHECKS = pytest.mark.parametrize("check", [True, "full"], ids=["kernel", "full"]
 
 @contextlib.contextmanager
 def _expect(case, check):
-    """A checked call of ``case`` raises: the kernel's VerifyError (on a GPU once the device is done:
-    :func:`splitkv.check_device_errors`), or the host check's ValueError, at the call."""
+    """A checked call of ``case`` raises: the kernel's VerifyError (on a GPU once the device is done), or the
+    host check's ValueError, at the call."""
     if check == "full":
         with pytest.raises(ValueError, match=case["match"]):
             yield
         return
-    with pytest.raises(VerifyError, match=case["kernel"]):
+    with raises_kernel_fault(case["kernel"]):
         yield
-        check_device_errors(DEVICE)
 
 
 def _untouched_unless_kernel(out, check):

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from conftest import (DEVICE, DTYPES, MIN_SPLIT, TOLERANCE, all_counters_zero, assert_close,
-                      assert_matches_reference, gate_call, gpu, plan_options, poisoned_workspace_runner)
-from splitkv import (VerifyError, VerifySplitKV, check_device_errors, decline_reason, extend_attention_fwd, gate,
-                     schedule, verify_attention)
+                      assert_matches_reference, gate_call, gpu, plan_options, poisoned_workspace_runner,
+                      raises_kernel_fault)
+from splitkv import VerifySplitKV, decline_reason, extend_attention_fwd, gate, schedule, verify_attention
 from splitkv.bench import mla as bench_mla
 from splitkv.resources import H200_SHARED_MEMORY, shared_memory_bytes, shares_rows
 from splitkv.schedule import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE, TileConfig
@@ -255,9 +255,8 @@ def test_checked_mode_reports_a_slot_outside_the_pool():
     p = mla_problem(SMALL, dtype=torch.float32, seed=10)
     indices = p.kv_indices.clone()
     indices[PREFIXES[0] + 3] = p.k_buffer.shape[0] + 1000  # sequence 2's fourth key (sequence 1 has none)
-    with pytest.raises(VerifyError, match=r"sequence 2: kv_indices holds a slot \(or page id\) outside the pool"):
+    with raises_kernel_fault(r"sequence 2: kv_indices holds a slot \(or page id\) outside the pool"):
         verify_attention(*p.replace(kv_indices=indices).tensors(p.new_output()), **p.options(), check=True)
-        check_device_errors(DEVICE)  # on a GPU the kernel reports once the device is done
 
 
 def test_a_plan_made_on_views_refuses_separate_values():

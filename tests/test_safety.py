@@ -15,7 +15,7 @@ from splitkv.schedule import TileConfig
 from splitkv.schedule import LAST_PROGRAM, MERGE_PROGRAMS
 from splitkv.testing import make_problem, paged_problem, reference_for
 
-from conftest import DEVICE, assert_close
+from conftest import DEVICE, assert_close, raises_kernel_fault
 
 F32 = torch.float32
 
@@ -192,9 +192,8 @@ def test_merge_programs_stop_waiting_on_corrupted_counters(where, monkeypatch):
 # --- the checked kernel -------------------------------------------------------------------
 
 def _checked_fault(p, match, **kw):
-    with pytest.raises(VerifyError, match=match):
+    with raises_kernel_fault(match):
         verify_attention(*p.tensors(p.new_output()), **{**p.options(), **kw})
-        check_device_errors(DEVICE)  # on a GPU the kernel reports once the device is done
 
 
 def test_checked_kernel_finds_a_slot_outside_the_pool():
@@ -230,9 +229,8 @@ def test_checked_kernel_finds_a_bad_last_page_length():
     pp = paged_problem(make_problem([70, 33], 4, 8, 2, 32, dtype=F32, device=DEVICE, seed=4), 16)
     last = pp.kv_last_page_len.clone()
     last[0] = 17
-    with pytest.raises(VerifyError, match="sequence 0: kv_last_page_len"):
+    with raises_kernel_fault("sequence 0: kv_last_page_len"):
         verify_attention(*pp.tensors(pp.problem.new_output()), **{**pp.options(), "kv_last_page_len": last})
-        check_device_errors(DEVICE)
 
 
 def test_checked_kernel_finds_a_prefix_past_max_prefix_len():
@@ -258,9 +256,8 @@ def test_the_drop_in_checks_under_splitkv_check(monkeypatch):
     bad = p.replace(kv_indices=kvi)
     assert verify_splitkv_fwd(*bad.args(bad.new_output()), **bad.kwargs())  # unchecked: served, bounded
     monkeypatch.setenv("SPLITKV_CHECK", "1")
-    with pytest.raises(VerifyError, match="sequence 0: kv_indices"):
+    with raises_kernel_fault("sequence 0: kv_indices"):
         verify_splitkv_fwd(*bad.args(bad.new_output()), **bad.kwargs())
-        check_device_errors(DEVICE)
     monkeypatch.setenv("SPLITKV_CHECK", "full")
     with pytest.raises(ValueError, match=r"kv_indices\[3\]"):
         verify_splitkv_fwd(*bad.args(bad.new_output()), **bad.kwargs())
