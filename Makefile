@@ -63,10 +63,10 @@ reinstall:
 demo: $(CORE_STAMP)
 	$(BIN)/python -m splitkv demo
 
-## Every test: unit/property tests, notebooks under nbval, the docs build and the browser check.
+## Every test: unit/property tests, notebooks under nbval (their exercises solved: SPLITKV_SOLUTIONS=1), the docs build and the browser check.
 test: $(ALL_STAMP)
 	$(BIN)/python -m pytest -q tests --ignore=tests/browser
-	$(BIN)/python -m pytest -q --nbval notebooks --nbval-sanitize-with notebooks/nbval_sanitize.cfg
+	SPLITKV_SOLUTIONS=1 $(BIN)/python -m pytest -q --nbval notebooks --nbval-sanitize-with notebooks/nbval_sanitize.cfg
 	$(BIN)/mkdocs build --strict --quiet
 	$(BIN)/python -m pytest -q tests/browser
 
