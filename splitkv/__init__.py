@@ -14,8 +14,9 @@ Public names:
   attention states;
 * :func:`can_handle` / :func:`decline_reason` -- the gate;
 * :func:`choose_n_splits` -- the split chooser;
-* :func:`check_device_errors` and :class:`VerifyError` -- faults the checked
-  kernel found (:mod:`splitkv.errors`);
+* :func:`check_device_errors`, :func:`raise_pending_faults` and
+  :class:`VerifyError` -- faults the kernels reported (:mod:`splitkv.errors`);
+* :class:`VerifyOptions` -- the options every entry takes (:mod:`splitkv.options`);
 * :func:`get_runner`, :func:`clear_caches` -- the entries' caches;
 * :func:`extend_attention_fwd` -- the baseline prefill/extend kernel.
 
@@ -34,10 +35,11 @@ if not _torch.cuda.is_available():
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from .api import clear_caches, get_runner, verify_attention, verify_splitkv_fwd  # noqa: E402
-from .errors import VerifyError, check_device_errors  # noqa: E402
+from .errors import VerifyError, check_device_errors, raise_pending_faults  # noqa: E402
 from .extend import extend_attention_fwd  # noqa: E402
 from .gate import can_handle, decline_reason  # noqa: E402
 from .merge import merge_state, merge_states  # noqa: E402
+from .options import VerifyOptions  # noqa: E402
 from .ops import merge_states_op, verify_attention_op  # noqa: E402
 from .plan import VerifyPlan, VerifySplitKV  # noqa: E402
 from .schedule import choose_n_splits, workspace_bytes  # noqa: E402
@@ -60,6 +62,8 @@ __all__ = [
     "merge_states_op",
     "clear_caches",
     "check_device_errors",
+    "raise_pending_faults",
+    "VerifyOptions",
     "VerifyError",
     "extend_attention_fwd",
 ]

@@ -1,33 +1,65 @@
-"""The verify kernel's error word: faults found on the device, raised on the host.
+"""Faults the verify kernel finds on the device, raised on the host.
 
-A checked launch (``check=True``, the default of :func:`splitkv.verify_attention`)
-validates the step's metadata inside the kernel, which bounds every gather
-anyway, and stores a fault it meets (one of them, if several) in one int32 word per device
-(see "Checks" in :mod:`splitkv.kernels.verify`). On a GPU that word lives in pinned
-host memory that the kernel writes through: the host reads it with a plain
-load, no synchronisation, no copy. A fault is therefore raised at the next
-checked call on that device, or at once by :func:`check_device_errors`, which
-waits for the device first. Under the Triton interpreter the kernel has run
-by the time the launch returns, so the call that met the fault raises.
+The kernel bounds every gather, so malformed metadata never reads a wild
+address; what it bounded it can also *report*. A checked launch (``check=True``,
+the default of :func:`splitkv.verify_attention`) validates the step's
+metadata as it reads it (see "Checks" in :mod:`splitkv.kernels.verify`); every
+launch, checked or not, reports merge counters that no launch could have left
+and a merge that gave up waiting for its slices. A report is one int32,
+``sequence * 16 + field`` (:data:`FIELDS`).
 
-Counter faults (a caller's workspace holding garbage, or one workspace on two
-streams at once) are recorded whether or not the launch was checked.
+The fault log. Each device has one array of int32 words that the kernel
+writes and the host reads without waiting: on a GPU it lives in pinned host
+memory mapped into the device's address space (the kernel's stores go
+straight to it); under the interpreter it is an ordinary CPU tensor. Every
+launch gets a *slot* of its own, so reports of different launches never
+overwrite each other, and the host knows which launch wrote each one: an
+eager launch takes the next slot of a ring, a launch captured into a CUDA
+graph keeps one slot for every replay. Word 0 is a flag that any report
+raises, so a call reads one word to know whether there is anything to look
+at.
+
+The contract:
+
+* **Nothing is lost.** A slot is cleared only by the host read that raises
+  it, and a launch's slot is never handed to another launch while it holds
+  an unraised report (the ring skips it).
+* **Raised where it can be.** Under the interpreter the kernel has finished
+  when the launch returns, so the call that launched it raises. On a GPU the
+  kernel runs later: its fault is raised by the next call of the same thread
+  on that device (every entry reads the flag before and after it launches,
+  checked or not), or by :func:`check_device_errors`, which waits for the
+  device and reads every slot.
+* **Blamed on its own launch.** The message names the launch that wrote it:
+  its thread, its number among that device's launches, and whether it was
+  captured into a CUDA graph. A call raises the reports of its own thread's
+  eager launches and of captured launches (a graph may be replayed from any
+  thread); another thread's reports stay pending for that thread or for
+  :func:`check_device_errors`.
+* **CUDA graphs.** A replay runs no host code, so a replayed launch's fault
+  is raised by the next call on the device or by :func:`check_device_errors`:
+  an engine that replays graphs calls it once per step, after the step's
+  outputs are read (it waits for the device), or :func:`raise_pending_faults`
+  (no wait) at the start of the next step.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional
 
+import numpy as np
 import torch
 
-from .validate import device_index
 from .kernels.common import (ERR_COUNTERS, ERR_DRAFTS, ERR_KV_INDPTR, ERR_LAST_PAGE, ERR_MASK, ERR_MERGE_WAIT,
-                     ERR_PREFIX_BOUND, ERR_QO_INDPTR, ERR_SLOT)
+                             ERR_PREFIX_BOUND, ERR_QO_INDPTR, ERR_SLOT)
+from .validate import device_index
 
-__all__ = ["VerifyError", "check_device_errors", "error_word", "raise_pending", "describe", "FIELDS"]
+__all__ = ["VerifyError", "check_device_errors", "raise_pending_faults", "fault_log", "FaultLog", "describe",
+           "FIELDS", "EAGER_SLOTS", "CAPTURED_SLOTS"]
 
-#: What each field of the error word means.
+#: What each field of a report means.
 FIELDS = {
     ERR_QO_INDPTR.value: "qo_indptr decreases or points outside the draft rows of q_extend",
     ERR_DRAFTS.value: "more draft tokens than max_len_extend",
@@ -42,61 +74,137 @@ FIELDS = {
 }
 _NO_SEQUENCE = (ERR_COUNTERS.value, ERR_MERGE_WAIT.value)
 
+#: Slots of the eager ring: launches whose reports may be pending at once (a launch's slot is
+#: reused only after that many later launches, and never while it holds an unraised report).
+EAGER_SLOTS = 4096
+#: Slots for launches captured into CUDA graphs, one each for the graph's life; past them,
+#: captured launches share the last one (still raised, named less precisely).
+CAPTURED_SLOTS = 1 << 16
+
 
 class VerifyError(ValueError):
     """Malformed verify metadata (or corrupted merge counters) found by the kernel."""
 
 
-#: device index (-1: CPU) -> (the word as a tensor, a NumPy view of it for the host's reads)
-_WORDS: Dict[int, Tuple[torch.Tensor, object]] = {}
-_LOCK = threading.Lock()
-
-
-def error_word(device) -> torch.Tensor:
-    """The error word of ``device`` (one int32, zero while no fault is pending), made on first use."""
-    device = torch.device(device)
-    index = device_index(device)
-    entry = _WORDS.get(index)
-    if entry is None:
-        with _LOCK:
-            entry = _WORDS.get(index)
-            if entry is None:
-                # Pinned host memory is mapped into the device's address space (unified addressing):
-                # the kernel stores to it directly, the host reads it without a copy.
-                word = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
-                entry = _WORDS[index] = (word, word.numpy())
-    return entry[0]
-
-
 def describe(code: int) -> str:
-    """The message for an error word's value ``code`` (``sequence * 16 + field``)."""
+    """The message for a report ``code`` (``sequence * 16 + field``)."""
     field = code % 16
     what = FIELDS.get(field, f"unknown fault {field}")
     return what if field in _NO_SEQUENCE else f"sequence {code // 16}: {what}"
 
 
-def raise_pending(device: torch.device, index: Optional[int] = None) -> None:
-    """Raise :class:`VerifyError` if ``device``'s error word holds a fault (and clear it); no waiting."""
-    entry = _WORDS.get(device_index(device) if index is None else index)
-    if entry is None:
-        return
-    view = entry[1]
-    code = int(view[0])
-    if code:
-        view[0] = 0
-        raise VerifyError(f"splitkv verify kernel on {device}: {describe(code)} "
-                          "(found by this call's kernel or an earlier one)")
+class _Launch(NamedTuple):
+    """Who holds a slot: the launch's number on its device, its thread, whether a graph captured it."""
+
+    number: int
+    thread: int
+    captured: bool
+
+    def __str__(self) -> str:
+        how = "captured into a CUDA graph" if self.captured else "eager"
+        return f"launch #{self.number} ({how}, thread {self.thread})"
+
+
+class FaultLog:
+    """One device's fault log: the flag (word 0), the eager ring, then the captured launches' slots."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        size = 1 + EAGER_SLOTS + CAPTURED_SLOTS
+        # Pinned host memory is mapped into the device's address space (unified addressing):
+        # the kernel stores to it directly, the host reads it through a NumPy view without a copy.
+        self.words = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._view = self.words.numpy()
+        self._base = self.words.data_ptr()
+        self._owners: List[Optional[_Launch]] = [None] * size
+        self._numbers = itertools.count(1)  # next() is atomic under the GIL: no lock on the call path
+        self._lock = threading.Lock()  # captured slots, and the read-and-clear of reports
+        self._next_captured = 1 + EAGER_SLOTS
+
+    @property
+    def address(self) -> int:
+        """The log's device-visible address (word 0: the flag); the kernel gets it and its slot."""
+        return self._base
+
+    def take_slot(self, captured: bool) -> int:
+        """A slot for one launch, recorded as this thread's (``captured``: for every replay of a graph)."""
+        number = next(self._numbers)
+        owner = _Launch(number, threading.get_ident(), captured)
+        if captured:
+            with self._lock:
+                slot = min(self._next_captured, len(self._owners) - 1)
+                self._next_captured += 1
+        else:
+            slot = 1 + number % EAGER_SLOTS
+            for _ in range(EAGER_SLOTS):  # skip slots whose reports are still unraised
+                if not self._view[slot]:
+                    break
+                slot = 1 + next(self._numbers) % EAGER_SLOTS
+        self._owners[slot] = owner
+        return slot
+
+    def raise_pending(self, everyone: bool = False, scan: bool = False) -> None:
+        """Raise :class:`VerifyError` for the reports this thread may raise (``everyone``: all), clearing them.
+
+        Reads the flag only, unless it is set or ``scan`` (then every slot). No waiting for the device.
+        """
+        if not (scan or self._view[0]):
+            return
+        with self._lock:
+            self._view[0] = 0
+            me = threading.get_ident()
+            found, left = [], False
+            for slot in np.flatnonzero(self._view[1:]) + 1:
+                owner = self._owners[slot]
+                if everyone or owner is None or owner.captured or owner.thread == me:
+                    found.append((owner, int(self._view[slot])))
+                    self._view[slot] = 0
+                else:
+                    left = True
+            if left:  # another thread's reports: keep the flag up for its next call
+                self._view[0] = 1
+        if found:
+            lines = [f"{describe(code)} (from {owner or 'an unknown launch'})" for owner, code in found]
+            raise VerifyError(f"splitkv verify kernel on {self.device}: " + "; ".join(lines))
+
+
+_LOGS: Dict[int, FaultLog] = {}
+_LOGS_LOCK = threading.Lock()
+
+
+def fault_log(device) -> FaultLog:
+    """The fault log of ``device`` (made on first use)."""
+    device = torch.device(device)
+    index = device_index(device)
+    log = _LOGS.get(index)
+    if log is None:
+        with _LOGS_LOCK:
+            log = _LOGS.get(index)
+            if log is None:
+                log = _LOGS[index] = FaultLog(device)
+    return log
+
+
+def raise_pending_faults(device=None) -> None:
+    """Raise the faults the device's kernels have reported so far, every thread's, without waiting."""
+    log = _LOGS.get(device_index(_device_or_current(device)))
+    if log is not None:
+        log.raise_pending(everyone=True, scan=True)
 
 
 def check_device_errors(device=None) -> None:
-    """Wait for ``device`` (default: the current CUDA device, else the CPU) and raise any pending fault.
+    """Wait for ``device`` (default: the current CUDA device, else the CPU) and raise every pending fault.
 
     Raises:
-        VerifyError: naming the sequence and field of a fault a checked launch found.
+        VerifyError: naming each fault's sequence, field and launch.
     """
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    device = _device_or_current(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    raise_pending(device)
+    raise_pending_faults(device)
+
+
+def _device_or_current(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device)

@@ -24,56 +24,91 @@ shapes is the caller's contract, as for ``extend_attention_fwd`` itself:
 
 from __future__ import annotations
 
-import math
-import numbers
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-from .validate import check_batch_invariant, check_features, check_verify_inputs
-from .resources import device_shared_memory, rope_dim, shared_memory_reason, shares_rows
-from .schedule import MAX_SPLITS, TileConfig, block_m_for, fixed_n_splits, head_tiles, launch_limit_reason, rows_per_tile
+from . import tuning
+from .options import VerifyOptions, split_options
+from .resources import rope_dim, shares_rows
+from .schedule import (MAX_SPLITS, VerifyParams, block_m_for, device_facts, fixed_n_splits, head_tiles,
+                       launch_limit_reason, plan_tile, rows_per_tile)
+from .validate import Dims, check_call
 
-__all__ = ["can_handle", "decline_reason", "MAX_DRAFT_TOKENS"]
+__all__ = ["can_handle", "decline_reason", "Decline", "decline", "MAX_DRAFT_TOKENS"]
 
 #: Most draft tokens per sequence the split path serves; longer extends are
 #: prefills, which the extend kernel's query tiles already parallelise.
 MAX_DRAFT_TOKENS = 64
 
 
-def _is_real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+class Decline(NamedTuple):
+    """Why the split path does not serve a call: ``malformed`` (the input is wrong: the entries that
+    raise on bad input raise ``ValueError(reason)``) or not (the baseline serves it)."""
+
+    reason: str
+    malformed: bool = False
+
+    def __str__(self) -> str:
+        return self.reason
 
 
-def decline_reason(
-    q_extend,
-    k_extend,
-    v_extend,
-    k_buffer,
-    v_buffer,
-    qo_indptr,
-    kv_indptr,
-    kv_indices,
-    *,
-    max_len_extend,
-    custom_mask=None,
-    mask_indptr=None,
-    is_causal=True,
-    sliding_window_size=-1,
-    sinks=None,
-    logit_cap=0.0,
-    xai_temperature_len=-1,
-    skip_prefix_custom_mask=True,
-    window_kv_offsets=None,
-    k_scale=1.0,
-    v_scale=1.0,
-    sm_scale=None,
-    o_extend=None,
-    max_bs=None,
-    split_tokens=None,
-    max_prefix_len=None,
-    kv_last_page_len=None,
-) -> Optional[str]:
+def decline(tensors: tuple, meta: dict, opts: VerifyOptions) -> Optional[Decline]:
+    """The gate: why the split path declines a call, or ``None`` when it serves it exactly.
+
+    ``tensors``: :data:`splitkv.options.TENSORS` (``o_extend`` may be ``None``); ``meta``: the
+    metadata tensors by name; ``opts``: the call's options. Shapes, dtypes, devices and Python
+    scalars only.
+    """
+    if meta["custom_mask"] is not None and not opts.skip_prefix_custom_mask:
+        return Decline("custom mask on the prefix (skip_prefix_custom_mask=False)")
+    scales = opts.scale_problem()
+    if scales is not None:
+        return Decline(scales)
+    try:
+        dims = check_call(tensors, meta, opts)
+    except ValueError as err:
+        return Decline(f"malformed input: {err}", malformed=True)
+    if not 1 <= opts.max_len_extend <= MAX_DRAFT_TOKENS:
+        return Decline(f"max_len_extend {opts.max_len_extend} outside [1, {MAX_DRAFT_TOKENS}]")
+    q, kb, vb = tensors[0], tensors[4], tensors[5]
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        return Decline("bfloat16 under the Triton interpreter (its bf16 tl.dot is wrong)")
+    kv_len = tensors[8].shape[0]
+    reason = _launch_limit(dims, opts, kv_len * dims.page_size) or _tile_reason(dims, opts, q, kb, vb, kv_len)
+    return None if reason is None else Decline(reason)
+
+
+def _tile_reason(dims: Dims, opts: VerifyOptions, q, k_buffer, v_buffer, kv_len: int) -> Optional[str]:
+    """Why no tile fits the device's shared memory, or ``None``: the plan's own tile choice
+    (:func:`splitkv.schedule.plan_tile`, which shrinks the tuned tile until it fits), so the gate
+    never accepts a call the plan cannot tile."""
+    p = VerifyParams(dims.num_q_heads, dims.num_kv_heads, dims.head_dim, dims.v_head_dim, opts.max_len_extend,
+                     dims.batch_size, k_buffer.dtype, q.dtype, page_size=dims.page_size,
+                     kv_shared=bool(rope_dim(dims.head_dim, dims.v_head_dim)) and shares_rows(k_buffer, v_buffer),
+                     window=opts.window, split_tokens=opts.split_tokens, max_prefix_len=opts.max_prefix_len)
+    try:
+        plan_tile(p, device_facts(q.device), tuning, p.prefix(kv_len))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _launch_limit(dims: Dims, opts: VerifyOptions, keys: int) -> Optional[str]:
+    """Why a launch for these sizes would pass a CUDA or 32-bit limit, or ``None``.
+
+    The grid is ``(batch x head_tiles, n_splits)`` (:func:`splitkv.schedule.launch_limit_reason`):
+    adaptive slices are at most 64, fixed ones ``cdiv(max_prefix_len, split_tokens)``.
+    """
+    block_m = block_m_for(rows_per_tile(dims.group, opts.max_len_extend))
+    tiles = max(dims.batch_size, opts.max_bs or 0) * head_tiles(
+        dims.num_q_heads, dims.num_kv_heads, opts.max_len_extend, block_m)
+    n_splits = MAX_SPLITS if opts.split_tokens is None else fixed_n_splits(opts.max_prefix_len, opts.split_tokens)
+    return launch_limit_reason(tiles, n_splits, keys)
+
+
+def decline_reason(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, *,
+                   o_extend=None, **options) -> Optional[str]:
     """Why the split path declines this call, or ``None`` if it serves it.
 
     Same arguments as :func:`can_handle`.
@@ -81,84 +116,24 @@ def decline_reason(
     Returns:
         A short reason (``"malformed input: ..."``, ``"launch limit: ..."``, ...), or
         ``None`` when the split path serves the call exactly.
+
+    Raises:
+        TypeError: for an unknown keyword, or an ``is_causal``, ``check`` or
+            ``max_len_extend`` of the wrong type.
     """
-    if custom_mask is not None and not skip_prefix_custom_mask:
-        return "custom mask on the prefix (skip_prefix_custom_mask=False)"
-    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if not _is_real(value):
-            return f"{name} must be a finite Python number (a tensor would need a device read)"
-    if sm_scale is not None and not _is_real(sm_scale):
-        return "sm_scale must be a finite Python number or None"
-    try:
-        dims = check_verify_inputs(
-            q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
-            qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr,
-            max_len_extend, sinks, kv_last_page_len=kv_last_page_len,
-        )
-        check_features(dims, logit_cap, sliding_window_size, window_kv_offsets, xai_temperature_len,
-                       q_extend.device)
-        check_batch_invariant(split_tokens, max_prefix_len)
-    except ValueError as err:
-        return f"malformed input: {err}"
-    if not isinstance(is_causal, bool):
-        return f"malformed input: is_causal must be a bool, got {type(is_causal).__name__}"
-    if not 1 <= max_len_extend <= MAX_DRAFT_TOKENS:
-        return f"max_len_extend {max_len_extend} outside [1, {MAX_DRAFT_TOKENS}]"
-    if q_extend.device.type == "cpu" and q_extend.dtype == torch.bfloat16:
-        return "bfloat16 under the Triton interpreter (its bf16 tl.dot is wrong)"
-    return _launch_limit(dims, max_len_extend, kv_indices.shape[0] * dims.page_size, max_bs,
-                         split_tokens, max_prefix_len) or _tile_reason(dims, max_len_extend, k_buffer, v_buffer,
-                                                                        q_extend.dtype, q_extend.device)
+    opts, meta = split_options(options)
+    tensors = (q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)
+    found = decline(tensors, meta, opts)
+    return None if found is None else found.reason
 
 
-def _tile_reason(dims, max_len_extend: int, k_buffer, v_buffer, q_dtype, device) -> Optional[str]:
-    """Why not even the smallest tile (16 keys, one stage) fits the device's shared memory, or ``None``.
-
-    The plan starts from the tuned tile and shrinks it the same way
-    (:func:`splitkv.resources.fit_tile`), so it always finds a tile the gate let through. MLA's
-    576/512 is taken in two chunks (512 + 64: nothing padded, and one query tile through the
-    prefix loop), so its fp8 pool fits, where padded to 1024 not even this tile did; a value pool
-    that is a view of the key pool is read once, which leaves room for a larger tile.
-    """
-    block_m = block_m_for(rows_per_tile(dims.group, max_len_extend))
-    smallest = TileConfig(block_m, 16, 4, 1)
-    kv_shared = bool(rope_dim(dims.head_dim, dims.v_head_dim)) and shares_rows(k_buffer, v_buffer)
-    return shared_memory_reason(smallest, dims.head_dim, dims.v_head_dim, k_buffer.dtype, q_dtype,
-                                device_shared_memory(device), dims.page_size, max_len_extend, kv_shared)
-
-
-def _launch_limit(dims, max_len_extend: int, keys: int, max_bs, split_tokens, max_prefix_len) -> Optional[str]:
-    """Why a launch for these sizes would pass a CUDA or 32-bit limit, or ``None``.
-
-    The grid is ``(batch x head_tiles, n_splits)`` (:func:`splitkv.schedule.launch_limit_reason`):
-    adaptive slices are at most 64, fixed ones ``cdiv(max_prefix_len, split_tokens)``.
-    """
-    block_m = block_m_for(rows_per_tile(dims.group, max_len_extend))
-    tiles = max(dims.batch_size, max_bs or 0) * head_tiles(
-        dims.num_q_heads, dims.num_kv_heads, max_len_extend, block_m)
-    n_splits = MAX_SPLITS if split_tokens is None else fixed_n_splits(max_prefix_len, split_tokens)
-    return launch_limit_reason(tiles, n_splits, keys)
-
-
-def can_handle(
-    q_extend,
-    k_extend,
-    v_extend,
-    k_buffer,
-    v_buffer,
-    qo_indptr,
-    kv_indptr,
-    kv_indices,
-    *,
-    max_len_extend,
-    **options,
-) -> bool:
+def can_handle(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, *,
+               o_extend=None, **options) -> bool:
     """True iff the split-KV path computes exactly what ``extend_attention_fwd`` would.
 
     Reads shapes, dtypes, devices and Python scalars only (CUDA-graph safe).
     Malformed input is declined, not raised: use :func:`decline_reason` to
-    see why a call is declined. Everything after ``kv_indices`` is a keyword,
-    named as in :func:`splitkv.verify_attention`.
+    see why a call is declined.
 
     Args:
         q_extend: draft queries ``[tokens, H_Q, D]``.
@@ -169,17 +144,13 @@ def can_handle(
         qo_indptr: ``[bs + 1]`` draft rows per sequence.
         kv_indptr: ``[bs + 1]`` ranges of ``kv_indices`` per sequence.
         kv_indices: prefix slots in the pool (paged: page ids).
-        max_len_extend: most draft tokens of any sequence (in ``[1, 64]``).
-        **options: :func:`decline_reason`'s keywords: ``custom_mask``,
-            ``mask_indptr``, ``is_causal``, ``sliding_window_size``, ``sinks``,
-            ``logit_cap``, ``xai_temperature_len``, ``skip_prefix_custom_mask``
-            (declined when ``False`` with a ``custom_mask``),
-            ``window_kv_offsets``, ``k_scale``/``v_scale``/``sm_scale``
-            (finite Python numbers), ``o_extend`` (checked when given),
-            ``max_bs``, ``split_tokens`` and ``max_prefix_len``, ``kv_last_page_len``.
+        o_extend: the output, checked when given.
+        **options: :func:`splitkv.verify_attention`'s options
+            (:class:`splitkv.options.VerifyOptions`, ``max_len_extend`` required,
+            and the metadata tensors of :data:`splitkv.options.METADATA`).
 
     Returns:
         ``True`` when the split path serves the call exactly.
     """
     return decline_reason(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
-                          max_len_extend=max_len_extend, **options) is None
+                          o_extend=o_extend, **options) is None

@@ -32,12 +32,26 @@ called; registered hooks (profilers) are honoured.
 
 The fast path relies on Triton internals that change between releases, so it
 runs only on the releases it was checked against (:data:`TESTED_TRITON`) where
-those internals are present (checked once, at import); elsewhere, and under
-the interpreter, every call takes the public ``fn[grid](...)`` path.
+those internals are present (checked once, at import); elsewhere, under
+the interpreter, on ROCm and with ``SPLITKV_PORTABLE=1``, every call takes
+the public ``fn[grid](...)`` path.
+
+This is the package's one module that uses CPython, PyTorch or Triton
+internals; each has a public fallback that the others take:
+
+* :func:`current_stream` -- the current stream's raw handle
+  (``torch._C._cuda_getCurrentRawStream``; public: ``torch.cuda.current_stream().cuda_stream``);
+* :func:`alloc_raw` / :func:`free_raw` -- a block of the caching allocator
+  without a tensor (public: ``torch.cuda.caching_allocator_alloc`` / ``_delete``);
+* :class:`Launcher` -- the compiled kernel launched directly (public: ``fn[grid](...)``).
+
+And the device facts the launch needs, in one place: :func:`capturing`,
+:func:`supports_pdl`, :func:`portable`.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -46,7 +60,30 @@ import triton
 
 from .validate import interpreting
 
-__all__ = ["Launcher", "fast_path_available", "fast_path_problem", "alignment_bits", "TESTED_TRITON"]
+__all__ = ["Launcher", "fast_path_available", "fast_path_problem", "alignment_bits", "TESTED_TRITON", "PORTABLE_ENV",
+           "portable", "capturing", "supports_pdl", "current_stream", "alloc_raw", "free_raw"]
+
+#: Set to ``1`` to take the portable path everywhere: Triton's public launch, no programmatic
+#: dependent launch, no private PyTorch hooks (what a ROCm build of PyTorch takes by itself).
+PORTABLE_ENV = "SPLITKV_PORTABLE"
+
+
+def portable() -> bool:
+    """Whether the launch takes only public, vendor-neutral paths (ROCm, or ``SPLITKV_PORTABLE=1``)."""
+    return torch.version.hip is not None or os.environ.get(PORTABLE_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def supports_pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may use programmatic dependent launch: an NVIDIA GPU of compute
+    capability 9.0 or newer, outside the interpreter and the portable path (a ROCm build reports an
+    MI300 as capability 9.4, so the capability alone does not say it)."""
+    return (device.type == "cuda" and not interpreting() and not portable()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 #: Triton releases ``[low, high)`` (major, minor) whose launch internals and
 #: specialisation rules the fast path was checked against (tests/test_launch_key.py).
@@ -93,6 +130,8 @@ def _check_fast_path(version: Optional[str] = None) -> Optional[str]:
     if torch.version.hip is not None:
         # Triton's AMD backend also specialises pointers on their buffer's size (buffer ops).
         return "ROCm: the AMD backend specialises pointers on more than the key restates"
+    if portable():
+        return f"{PORTABLE_ENV}=1: the portable path"
     if not hasattr(torch._C, "_cuda_getCurrentRawStream"):
         return "torch._C._cuda_getCurrentRawStream is missing (PyTorch without CUDA)"
     try:
@@ -118,6 +157,35 @@ _FAST_PATH_PROBLEM: Optional[str] = _check_fast_path()
 _HOOKS = _launch_hooks() if _FAST_PATH_PROBLEM is None else None
 #: The run() signature each launcher class was checked for: True when it is the one the fast path calls.
 _LAUNCHER_OK: Dict[type, bool] = {}
+
+
+#: The raw stream and allocator hooks (CUDA builds of PyTorch; ``None`` on the portable path).
+_RAW_STREAM = None if portable() else getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_RAW_ALLOC = None if portable() else getattr(torch._C, "_cuda_cudaCachingAllocator_raw_alloc", None)
+_RAW_DELETE = None if portable() else getattr(torch._C, "_cuda_cudaCachingAllocator_raw_delete", None)
+
+
+def current_stream(index: int) -> int:
+    """The raw handle of CUDA device ``index``'s current stream."""
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def alloc_raw(nbytes: int, index: int, stream: int) -> int:
+    """``nbytes`` of device ``index`` from PyTorch's caching allocator, for use on ``stream``: an address
+    (no tensor), given back with :func:`free_raw` once the launches that use it are queued."""
+    if _RAW_ALLOC is not None and torch.cuda.current_device() == index:
+        return _RAW_ALLOC(nbytes, stream)
+    return torch.cuda.caching_allocator_alloc(nbytes, index, stream)
+
+
+def free_raw(address: int) -> None:
+    """Give a block from :func:`alloc_raw` back to the caching allocator."""
+    if _RAW_DELETE is not None:
+        _RAW_DELETE(address)
+    else:
+        torch.cuda.caching_allocator_delete(address)
 
 
 def fast_path_problem() -> Optional[str]:
@@ -277,7 +345,7 @@ class Launcher:
 
     def _run(self, kernel, grid, args, stream) -> None:
         if stream is None:
-            stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+            stream = current_stream(torch.cuda.current_device())
         enter, leave = _live_hook(_HOOKS.launch_enter_hook), _live_hook(_HOOKS.launch_exit_hook)
         # Launch hooks (profilers) get the metadata the JIT path would give them.
         hooked = enter is not None or leave is not None

@@ -36,70 +36,69 @@ dynamic shapes makes when a size first changes.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import dataclasses
+import typing
+from typing import Tuple
 
 import torch
 
 from .api import verify_attention
 from .merge import merge_states
+from .options import METADATA, TENSORS, VerifyOptions, option_types
 
-__all__ = ["verify_attention_op", "merge_states_op"]
+__all__ = ["verify_attention_op", "merge_states_op", "VERIFY_SCHEMA"]
 
 Tensor = torch.Tensor
 
+#: The schema's type of each kind of option (``check`` is a bool in a compiled graph: see the module docstring).
+_SCHEMA_TYPES = {int: "int", float: "float", bool: "bool"}
 
-def _verify(
-    q_extend: Tensor,
-    k_extend: Tensor,
-    v_extend: Tensor,
-    k_buffer: Tensor,
-    v_buffer: Tensor,
-    qo_indptr: Tensor,
-    kv_indptr: Tensor,
-    kv_indices: Tensor,
-    # The optional tensors are positional in the schema (custom ops take no keyword-only tensors);
-    # every caller names them.
-    custom_mask: Optional[Tensor] = None,
-    mask_indptr: Optional[Tensor] = None,
-    sinks: Optional[Tensor] = None,
-    window_kv_offsets: Optional[Tensor] = None,
-    kv_last_page_len: Optional[Tensor] = None,
-    *,
-    max_len_extend: int,
-    is_causal: bool = True,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    sm_scale: Optional[float] = None,
-    logit_cap: float = 0.0,
-    skip_prefix_custom_mask: bool = True,
-    sliding_window_size: int = -1,
-    xai_temperature_len: int = -1,
-    split_tokens: Optional[int] = None,
-    max_prefix_len: Optional[int] = None,
-    check: bool = True,
-    return_lse: bool = False,
-) -> Tuple[Tensor, Tensor]:
-    result = verify_attention(
-        q_extend, k_extend, v_extend, None, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
-        max_len_extend=max_len_extend, custom_mask=custom_mask, mask_indptr=mask_indptr, is_causal=is_causal,
-        k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale, logit_cap=logit_cap,
-        skip_prefix_custom_mask=skip_prefix_custom_mask, sliding_window_size=sliding_window_size, sinks=sinks,
-        window_kv_offsets=window_kv_offsets, xai_temperature_len=xai_temperature_len,
-        kv_last_page_len=kv_last_page_len, split_tokens=split_tokens, max_prefix_len=max_prefix_len,
-        check=check, return_lse=return_lse,
-    )
-    if return_lse:
+
+def _schema_type(name: str, annotation) -> str:
+    """A :class:`~splitkv.options.VerifyOptions` field's type in a ``torch.library`` schema."""
+    if name == "check":
+        return "bool"
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if args:  # Optional[X]
+        return _SCHEMA_TYPES[args[0]] + "?"
+    return _SCHEMA_TYPES[annotation]
+
+
+def _verify_schema() -> str:
+    """The op's schema, derived from the option list: the tensors (without ``o_extend``), the optional
+    metadata tensors (positional: custom ops take no keyword-only tensors; every caller names them),
+    then every option as a keyword with its default (``check``'s is ``True``, as for
+    :func:`splitkv.verify_attention`)."""
+    tensors = [f"Tensor {name}" for name in TENSORS if name != "o_extend"]
+    tensors += [f"Tensor? {name}=None" for name in METADATA]
+    types = option_types()
+    keywords = []
+    for field in dataclasses.fields(VerifyOptions):
+        default = True if field.name == "check" else field.default
+        written = "" if default is dataclasses.MISSING else f"={default}"
+        keywords.append(f"{_schema_type(field.name, types[field.name])} {field.name}{written}")
+    return f"({', '.join(tensors)}, *, {', '.join(keywords)}) -> (Tensor, Tensor)"
+
+
+#: ``torch.ops.splitkv.verify_attention``'s schema.
+VERIFY_SCHEMA = _verify_schema()
+
+
+def _verify(*args, **options) -> Tuple[Tensor, Tensor]:
+    tensors = dict(zip([n for n in TENSORS if n != "o_extend"] + list(METADATA), args))
+    q, k, v, kb, vb, qo, kvp, kvi = (tensors.pop(n) for n in TENSORS if n != "o_extend")
+    result = verify_attention(q, k, v, None, kb, vb, qo, kvp, kvi, **tensors, **options)
+    if options.get("return_lse", False):
         return result
-    return result, q_extend.new_empty((0,), dtype=torch.float32)
+    return result, q.new_empty((0,), dtype=torch.float32)
 
 
-_verify_attention = torch.library.custom_op("splitkv::verify_attention", _verify, mutates_args=())
+_verify_attention = torch.library.custom_op("splitkv::verify_attention", _verify, mutates_args=(),
+                                            schema=VERIFY_SCHEMA)
 
 
 @_verify_attention.register_fake
-def _(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask=None,
-      mask_indptr=None, sinks=None, window_kv_offsets=None, kv_last_page_len=None, *, max_len_extend,
-      return_lse=False, **_):
+def _(q_extend, k_extend, v_extend, *args, return_lse=False, **_):
     out = q_extend.new_empty((q_extend.shape[0], q_extend.shape[1], v_extend.shape[2]))
     lse_shape = (q_extend.shape[0], q_extend.shape[1]) if return_lse else (0,)
     return out, q_extend.new_empty(lse_shape, dtype=torch.float32)

@@ -66,7 +66,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from .schedule import TileConfig
+from .tile import TileConfig
 
 __all__ = ["shared_memory_bytes", "device_shared_memory", "fit_tile", "shared_memory_reason", "tile_candidates",
            "rope_dim", "shares_rows", "H200_SHARED_MEMORY", "CALIBRATION"]

@@ -28,6 +28,11 @@ agree on the kernel's actual writes).
   tile's last program, merge programs in the same grid, or a second launch.
 * **Limits and sizes.** :func:`launch_limit_reason` (CUDA's grid limits,
   32-bit positions), :func:`workspace_bytes` (a caller-owned workspace).
+* **The plan.** :func:`plan_tile` and :func:`plan_splits`: from a call's
+  :class:`VerifyParams`, the device's :class:`DeviceFacts` and the tuned table,
+  the immutable :class:`TilePlan` (once per plan) and :class:`SplitPlan` (per
+  split count, :func:`count_splits`). Everything a launch is shaped by is
+  decided there; :mod:`splitkv.plan` only binds and launches.
 
 The split chooser's rule::
 
@@ -50,12 +55,15 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 import triton
 
 from .kernels.common import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE
+from .resources import device_shared_memory, fit_tile, shared_memory_reason
+from .tile import TileConfig
 
 __all__ = [
     "TileConfig", "tile_config", "rows_per_tile", "block_m_for", "head_tiles", "launch_block_m", "MIN_BLOCK_M",
@@ -65,6 +73,7 @@ __all__ = [
     "merge_chunks",
     "launch_limit_reason", "LaunchLimitError", "workspace_bytes", "counter_bytes", "pool_offsets_32",
     "MAX_SPLITS", "MAX_GRID_SPLITS", "SEPARATE_MERGE", "LAST_PROGRAM", "MERGE_PROGRAMS",
+    "VerifyParams", "DeviceFacts", "TilePlan", "SplitPlan", "device_facts", "launch_rows", "plan_tile", "count_splits", "plan_splits",
 ]
 
 
@@ -84,41 +93,6 @@ def element_size(dtype: torch.dtype) -> int:
 
 
 # ---------------------------------------------------------------------------- tiles
-
-
-class TileConfig:
-    """Launch shape of the verify kernel (performance only, never results).
-
-    Attributes:
-        block_m: query rows per tile (a power of two, at least 16).
-        block_n: prefix keys per loop step.
-        num_warps: warps per program.
-        num_stages: software-pipelining depth of the key loop.
-        k_rows: load K tiles as ``[BLOCK_N, D]`` rows and transpose them for
-            the dot (else load them as ``[D, BLOCK_N]``); see the module docstring.
-    """
-
-    __slots__ = ("block_m", "block_n", "num_warps", "num_stages", "k_rows")
-
-    def __init__(self, block_m, block_n, num_warps, num_stages, k_rows=False):
-        self.block_m, self.block_n = block_m, block_n
-        self.num_warps, self.num_stages = num_warps, num_stages
-        self.k_rows = bool(k_rows)
-
-    def __repr__(self):
-        rows = ", k_rows=True" if self.k_rows else ""
-        return (
-            f"TileConfig(block_m={self.block_m}, block_n={self.block_n}, "
-            f"num_warps={self.num_warps}, num_stages={self.num_stages}{rows})"
-        )
-
-    def __eq__(self, other):
-        return isinstance(other, TileConfig) and all(
-            getattr(self, a) == getattr(other, a) for a in self.__slots__
-        )
-
-    def __hash__(self):
-        return hash(tuple(getattr(self, a) for a in self.__slots__))
 
 
 def rows_per_tile(heads_per_tile: int, max_len_extend: int) -> int:
@@ -600,3 +574,233 @@ def workspace_bytes(
 def counter_bytes(tiles: int) -> int:
     """Bytes a workspace's counters take for ``tiles`` tiles (int32, ``GRID_COUNTERS`` more), padded to 16."""
     return -(-(tiles + GRID_COUNTERS) * 4 // 16) * 16
+
+
+# ---------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class VerifyParams:
+    """What a verify launch is planned from: the call's static description and the runner's limits.
+
+    Built by :class:`splitkv.VerifySplitKV` from a call's tensors and options
+    (:class:`splitkv.options.VerifyOptions`); never holds a tensor or reads a value.
+
+    Attributes:
+        num_q_heads, num_kv_heads, head_dim, v_head_dim, max_len_extend: the head configuration.
+        batch_size: sequences in the call (``None``: plan for no particular batch).
+        kv_dtype, q_dtype: the pools' and the queries' dtypes.
+        page_size: keys per ``kv_indices`` entry (1: a token pool).
+        kv_shared: V is a view of K's first ``Dv`` columns in the pools (MLA).
+        window: the sliding window's keys, or ``None``.
+        pack_gqa: one tile per KV head with all its query heads (else one per query head).
+        config: a caller's fixed tile, or ``None`` (the tuned one).
+        n_splits: a caller's fixed split count, or ``None`` (the chooser's).
+        split_tokens, max_prefix_len: the batch-invariant mode's slice length and bound.
+        one_launch: merge in the verify launch where the merge mode allows.
+        workspace_tiles: tiles a caller's workspace has counters for, or ``None``.
+    """
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    max_len_extend: int
+    batch_size: Optional[int]
+    kv_dtype: torch.dtype
+    q_dtype: torch.dtype
+    page_size: int = 1
+    kv_shared: bool = False
+    window: Optional[int] = None
+    pack_gqa: bool = True
+    config: Optional[TileConfig] = None
+    n_splits: Optional[int] = None
+    split_tokens: Optional[int] = None
+    max_prefix_len: Optional[int] = None
+    one_launch: bool = True
+    workspace_tiles: Optional[int] = None
+
+    @property
+    def heads_per_tile(self) -> int:
+        return self.num_q_heads // self.num_kv_heads if self.pack_gqa else 1
+
+    @property
+    def block_m(self) -> int:
+        """The tile's rows before a small launch cuts them."""
+        return self.config.block_m if self.config else block_m_for(rows_per_tile(self.heads_per_tile,
+                                                                                 self.max_len_extend))
+
+    @property
+    def fixed_shape(self) -> bool:
+        """The caller fixed the tile, the split count or the slice length: the schedule adapts nothing."""
+        return self.config is not None or self.n_splits is not None or self.split_tokens is not None
+
+    def head_tiles(self, block_m: int) -> int:
+        """Tiles per sequence at ``block_m`` rows (KV heads x row blocks)."""
+        return head_tiles(self.num_q_heads, self.num_kv_heads, self.max_len_extend, block_m, self.pack_gqa)
+
+    def prefix(self, kv_len: int) -> int:
+        """Representative keys per sequence for ``kv_len`` entries of ``kv_indices``; under a window, the
+        window's keys (the grid is sized for the window itself, as a plain prefix of that length would be:
+        a 128-key window at a 64k prefix takes one slice and one launch)."""
+        prefix = mean_prefix(kv_len, self.page_size, self.batch_size or 1)
+        return prefix if self.window is None else min(prefix, self.window)
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the schedule needs to know of a device: SMs, per-block shared memory (``None``: no limit,
+    the interpreter), and whether kernels run through the interpreter."""
+
+    num_sms: int
+    shared_memory: Optional[int]
+    interpreting: bool
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """A plan's tile, fixed when the plan is made.
+
+    Attributes:
+        config: the tile shape.
+        small: the small-launch schedule (one program per SM, one wave).
+        head_tiles: tiles per sequence at ``config.block_m`` rows.
+        tiles: tiles of the launch (grid axis 0).
+        min_split: the shortest slice, in keys (the kernel's ``min_split``).
+        programs_per_sm: programs of this tile one SM holds at once.
+    """
+
+    config: TileConfig
+    small: bool
+    head_tiles: int
+    tiles: int
+    min_split: int
+    programs_per_sm: int
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """A launch's slices and who merges them: fixed by the split count, which follows the step's prefixes.
+
+    Attributes:
+        n_splits: the grid's prefix slices.
+        merge: who merges (``None`` for one slice, ``LAST_PROGRAM``, ``MERGE_PROGRAMS``, ``SEPARATE_MERGE``).
+        grid: ``(tiles, n_splits [+ merge programs], 1)``.
+        merge_rows, merge_dv, merge_unroll: a merging program's block and slices per step.
+        scratch_bytes: partials, sized as float32 (0 with one slice); ``lse_offset``: where the LSEs start.
+        counters: int32 counters the launch needs, zeroed (0: none).
+        merge_grid: the second merge launch's grid (``SEPARATE_MERGE``), else ``None``.
+    """
+
+    n_splits: int
+    merge: Optional[int]
+    grid: Tuple[int, int, int]
+    merge_rows: int
+    merge_dv: int
+    merge_unroll: int
+    scratch_bytes: int
+    lse_offset: int
+    counters: int
+    merge_grid: Optional[Tuple[int, int, int]]
+
+    @property
+    def fused(self) -> bool:
+        """One launch: no merge kernel follows the verify kernel."""
+        return self.merge != SEPARATE_MERGE
+
+
+def device_facts(device, num_sms: Optional[int] = None) -> DeviceFacts:
+    """The schedule's :class:`DeviceFacts` of ``device`` (``num_sms``: plan for that many SMs instead)."""
+    from .validate import interpreting
+
+    device = torch.device(device)
+    return DeviceFacts(num_sms if num_sms is not None else device_sm_count(device), device_shared_memory(device),
+                       interpreting())
+
+
+def launch_rows(p: VerifyParams, facts: DeviceFacts) -> int:
+    """Rows per tile for ``p``'s batch: :func:`launch_block_m`, but the plan's own rows where the caller fixed
+    the shape (a batch-invariant call's bits must not depend on the batch) or a caller's workspace has fewer
+    counters than the cut tiles would need."""
+    if p.batch_size is None or p.fixed_shape:
+        return p.block_m
+    block_m = launch_block_m(p.block_m, lambda b: p.batch_size * p.head_tiles(b), facts.num_sms)
+    if p.workspace_tiles is not None and p.batch_size * p.head_tiles(block_m) > p.workspace_tiles:
+        return p.block_m
+    return block_m
+
+
+def plan_tile(p: VerifyParams, facts: DeviceFacts, table, prefix: int = 0) -> TilePlan:
+    """The tile for ``p`` on a device, for sequences of about ``prefix`` keys: the tuned tile
+    (``table``: :mod:`splitkv.tuning`), or the small-launch tile where it was measured faster, shrunk
+    where it would not fit the device's shared memory (:func:`splitkv.resources.fit_tile`).
+
+    Raises:
+        ValueError: when no tile fits (the gate declines such calls first).
+    """
+    block_m = launch_rows(p, facts)
+    widest, kv_bytes = max(p.head_dim, p.v_head_dim), element_size(p.kv_dtype)
+    small = None
+    if not (p.batch_size is None or p.fixed_shape or facts.interpreting):
+        small = table.small_batch_tile(widest, block_m, kv_bytes, p.batch_size * p.head_tiles(block_m),
+                                       facts.num_sms, prefix)
+    if p.config is not None:
+        cfg = p.config
+    else:
+        if small is not None:
+            cfg = TileConfig(block_m, *small)
+        else:
+            cfg = tile_config(p.head_dim, p.v_head_dim, rows_per_tile(p.heads_per_tile, p.max_len_extend),
+                              facts.interpreting, kv_bytes=kv_bytes, page_size=p.page_size, block_m=block_m)
+        fitted = fit_tile(cfg, p.head_dim, p.v_head_dim, p.kv_dtype, p.q_dtype, facts.shared_memory, p.page_size,
+                          p.max_len_extend, p.kv_shared)
+        if fitted is None:
+            raise ValueError(shared_memory_reason(cfg, p.head_dim, p.v_head_dim, p.kv_dtype, p.q_dtype,
+                                                  facts.shared_memory, p.page_size, p.max_len_extend, p.kv_shared))
+        cfg = fitted
+    per_seq = p.head_tiles(cfg.block_m)
+    return TilePlan(config=cfg, small=small is not None, head_tiles=per_seq,
+                    tiles=(p.batch_size or 1) * per_seq,
+                    min_split=min_split_for(cfg.block_n, table.min_split_tokens()),
+                    programs_per_sm=table.programs_per_sm(widest, cfg.block_m, kv_bytes, p.page_size))
+
+
+def count_splits(p: VerifyParams, tile: TilePlan, facts: DeviceFacts, table, prefix: int) -> int:
+    """Grid slices for sequences of about ``prefix`` keys: the caller's fixed count; in the batch-invariant
+    mode ``cdiv(max_prefix_len, split_tokens)``; for a small launch one program per SM
+    (:func:`one_wave_n_splits`); else :func:`choose_n_splits`."""
+    if p.n_splits is not None:
+        return p.n_splits
+    if p.split_tokens is not None:
+        return fixed_n_splits(p.max_prefix_len, p.split_tokens)
+    block_n, min_tokens = tile.config.block_n, table.min_split_tokens()
+    if tile.small:
+        return one_wave_n_splits(tile.tiles, prefix, facts.num_sms, min_split_tokens=min_tokens, block_n=block_n)
+    return choose_n_splits(p.batch_size or 1, tile.head_tiles, prefix, facts.num_sms,
+                           programs_per_sm=tile.programs_per_sm, min_split_tokens=min_tokens, block_n=block_n)
+
+
+def plan_splits(p: VerifyParams, tile: TilePlan, n_splits: int, separate: bool = False) -> SplitPlan:
+    """Slices, merge mode, grid and scratch for a launch of ``n_splits`` slices (``separate``: merge in a
+    second launch whatever :func:`merge_mode` says)."""
+    block_m, dv = tile.config.block_m, p.v_head_dim
+    mode = merge_mode(n_splits, tile.tiles, block_m, dv, p.one_launch)
+    if separate and mode is not None:
+        mode = SEPARATE_MERGE
+    # Variants: without merge programs the slice count is taken as 1, so that it makes no other kernels.
+    variant = n_splits if mode == MERGE_PROGRAMS else 1
+    extra = merge_chunks(n_splits, block_m, dv) if mode == MERGE_PROGRAMS else 0
+    rows = tile.tiles * n_splits * block_m
+    merge_grid = None
+    if mode == SEPARATE_MERGE:
+        m_rows, m_cols = merge_launch_block(dv)
+        merge_grid = (tile.tiles, cdiv(block_m, m_rows), cdiv(dv, m_cols))
+    return SplitPlan(
+        n_splits=n_splits, merge=mode, grid=(tile.tiles, n_splits + extra, 1),
+        merge_rows=grid_merge_rows(variant), merge_dv=grid_merge_block(n_splits, dv)[1],
+        merge_unroll=merge_unroll(mode, variant),
+        scratch_bytes=0 if n_splits == 1 else rows * (dv + 1) * 4,
+        lse_offset=0 if n_splits == 1 else rows * dv,
+        counters=tile.tiles + GRID_COUNTERS if mode in (LAST_PROGRAM, MERGE_PROGRAMS) else 0,
+        merge_grid=merge_grid,
+    )

@@ -7,7 +7,6 @@ so it is safe inside CUDA-graph capture.
 
 from __future__ import annotations
 
-import math
 import numbers
 import os
 from dataclasses import dataclass
@@ -15,10 +14,11 @@ from typing import Optional
 
 import torch
 
+from .options import _batch_invariant_problem
 from .paged import paged_prefix_lens
 
-__all__ = ["Dims", "check_verify_inputs", "check_verify_values", "check_features", "check_output",
-           "check_batch_invariant", "check_dropin_types", "check_mode", "device_index", "interpreting",
+__all__ = ["Dims", "check_call", "check_values", "check_verify_inputs", "check_verify_values", "check_output",
+           "check_batch_invariant", "device_index", "interpreting",
            "ACT_DTYPES", "KV_DTYPES"]
 
 #: dtypes of queries, draft K/V and outputs.
@@ -217,30 +217,44 @@ def _check_shapes(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo
     return Dims(n_seq - 1, n_tok, h_q, h_kv, d, dv, page_size)
 
 
-def check_features(dims: Dims, logit_cap=0.0, sliding_window_size=-1, window_kv_offsets=None,
-                   xai_temperature_len=-1, device=None) -> None:
-    """Validate the score features of a verify call (Python scalars and shapes only).
+def _check_offsets(dims: Dims, window_kv_offsets, device) -> None:
+    """``window_kv_offsets``: ``None`` or a 1-D int32/int64 ``[bs]`` tensor on the inputs' device."""
+    w = window_kv_offsets
+    if w is None:
+        return
+    if (not isinstance(w, torch.Tensor) or w.dim() != 1 or w.dtype not in INDEX_DTYPES
+            or w.shape[0] != dims.batch_size or w.device != device):
+        _fail(f"window_kv_offsets must be a 1-D int32/int64 tensor of {dims.batch_size} entries "
+              f"on the inputs' device, got {getattr(w, 'dtype', type(w).__name__)} "
+              f"of shape {tuple(getattr(w, 'shape', ()))}")
 
-    Raises ``ValueError`` for a non-finite or negative ``logit_cap``, a
-    non-integer window, ``xai_temperature_len == 1`` (its ``log2`` is 0), or
-    ``window_kv_offsets`` that is not a 1-D int32/int64 ``[bs]`` tensor on
-    the inputs' device.
+
+def check_call(tensors: tuple, meta: dict, opts) -> Dims:
+    """Validate a call's tensors (:data:`splitkv.options.TENSORS`; ``o_extend`` may be ``None``), its
+    metadata tensors by name and its :class:`splitkv.options.VerifyOptions`; return its :class:`Dims`.
+
+    Shapes, dtypes, devices and Python scalars only (CUDA-graph safe).
+
+    Raises:
+        ValueError: naming the first problem found.
     """
-    if logit_cap is None or isinstance(logit_cap, bool) or not isinstance(logit_cap, numbers.Real) \
-            or not math.isfinite(logit_cap) or logit_cap < 0:
-        _fail(f"logit_cap must be a finite Python number >= 0 (0: off), got {logit_cap!r}")
-    for name, value in (("sliding_window_size", sliding_window_size), ("xai_temperature_len", xai_temperature_len)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-            _fail(f"{name} must be a Python int (<= 0: off), got {value!r}")
-    if xai_temperature_len == 1:
-        _fail("xai_temperature_len must be <= 0 (off) or >= 2: log2(1) is 0")
-    if window_kv_offsets is not None:
-        w = window_kv_offsets
-        if (not isinstance(w, torch.Tensor) or w.dim() != 1 or w.dtype not in INDEX_DTYPES
-                or w.shape[0] != dims.batch_size or (device is not None and w.device != device)):
-            _fail(f"window_kv_offsets must be a 1-D int32/int64 tensor of {dims.batch_size} entries "
-                  f"on the inputs' device, got {getattr(w, 'dtype', type(w).__name__)} "
-                  f"of shape {tuple(getattr(w, 'shape', ()))}")
+    problem = opts.scale_problem() or opts.problem()
+    if problem is not None:
+        _fail(problem)
+    q = tensors[0]
+    dims = check_verify_inputs(*tensors, meta["custom_mask"], meta["mask_indptr"], opts.max_len_extend,
+                               meta["sinks"], kv_last_page_len=meta["kv_last_page_len"])
+    _check_offsets(dims, meta["window_kv_offsets"], q.device)
+    return dims
+
+
+def check_values(tensors: tuple, meta: dict, opts) -> None:
+    """:func:`check_verify_values` for a call (``check="full"``): reads the device."""
+    q, kb = tensors[0], tensors[4]
+    last = meta["kv_last_page_len"]
+    check_verify_values(tensors[6], tensors[7], tensors[8], kb.shape[0], opts.max_len_extend,
+                        meta["custom_mask"], meta["mask_indptr"], num_tokens=q.shape[0], kv_last_page_len=last,
+                        page_size=kb.shape[1] if last is not None else 1)
 
 
 def _first_bad(bad: torch.Tensor) -> int:
@@ -352,13 +366,6 @@ def check_output(out, lse, out_shape, wants_lse: bool) -> None:
               f"{list(lse.shape)} {lse.dtype} on {lse.device} with strides {lse.stride()}")
 
 
-def check_mode(check):
-    """``check`` is ``False``, ``True`` or ``"full"`` (as for :func:`splitkv.verify_attention`); returns it."""
-    if check not in (False, True, "full"):
-        raise TypeError(f"check must be False, True or 'full', got {check!r}")
-    return check
-
-
 def device_index(device: torch.device) -> int:
     """The CUDA device index of ``device`` (its current device when it has none), ``-1`` off CUDA."""
     if device.type != "cuda":
@@ -375,27 +382,6 @@ def check_batch_invariant(split_tokens, max_prefix_len) -> None:
 
     Raises ``ValueError`` for a bad value, or for one given without the other.
     """
-    if split_tokens is None:
-        if max_prefix_len is not None:
-            _fail("max_prefix_len bounds the batch-invariant mode's slices: give it with split_tokens")
-        return
-    if not _is_int(split_tokens) or split_tokens < 128 or split_tokens % 128:
-        _fail(f"split_tokens must be a positive multiple of 128 (whole key tiles), got {split_tokens!r}")
-    if max_prefix_len is None:
-        _fail("split_tokens needs max_prefix_len, the most prefix keys of any sequence: "
-              "it sizes the grid's slices and their scratch")
-    if not _is_int(max_prefix_len) or max_prefix_len < 1:
-        _fail(f"max_prefix_len must be a positive int, got {max_prefix_len!r}")
-
-
-def check_dropin_types(custom_mask, is_causal, mask_indptr, max_len_extend) -> None:
-    """The drop-in's positional arguments after ``kv_indices`` have the types ``extend_attention_fwd``
-    takes: a ``TypeError`` naming the first that does not (a swapped argument, say)."""
-    if custom_mask is not None and not isinstance(custom_mask, torch.Tensor):
-        raise TypeError(f"custom_mask must be a tensor or None, got {type(custom_mask).__name__}")
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    if mask_indptr is not None and not isinstance(mask_indptr, torch.Tensor):
-        raise TypeError(f"mask_indptr must be a tensor or None, got {type(mask_indptr).__name__}")
-    if not _is_int(max_len_extend):
-        raise TypeError(f"max_len_extend must be an int, got {type(max_len_extend).__name__}")
+    problem = _batch_invariant_problem(split_tokens, max_prefix_len)
+    if problem is not None:
+        _fail(problem)

@@ -26,10 +26,11 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from .launch import alloc_raw, capturing, current_stream
 from .schedule import GRID_COUNTERS, counter_bytes
 from .validate import device_index
 
-__all__ = ["counters", "new_partials", "Workspace", "capturing", "stream_key"]
+__all__ = ["counters", "new_partials", "Workspace", "stream_key"]
 
 
 #: Counters per (device, stream): ``{(device index, raw stream handle): int32 tensor}``.
@@ -45,33 +46,21 @@ _LOCK = threading.Lock()
 #: Arrays replaced by larger ones: kept alive, since a captured graph may still use them.
 _OUTGROWN: list = []
 
-# The caching allocator's raw blocks (CUDA builds of PyTorch): an address, no tensor. A run's
-# partials need nothing more, and the pair costs less host time than a tensor's life.
-_raw_alloc = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_alloc", None)
-raw_delete = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_delete", None)
-_current_device = getattr(torch._C, "_cuda_getDevice", None)
-
-
 def stream_key(device: torch.device) -> Tuple[int, int]:
     """``(device index, raw stream handle)`` of ``device``'s current stream."""
     if device.type != "cuda":
         return (-1, threading.get_ident())  # the interpreter runs a launch on the calling thread
     index = device_index(device)
-    return (index, torch._C._cuda_getCurrentRawStream(index))
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether the current stream of ``device`` is being captured into a CUDA graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return (index, current_stream(index))
 
 
 def new_partials(device: torch.device, nbytes: int, stream: Optional[int], raw: bool
                  ) -> Tuple[Optional[torch.Tensor], int]:
     """A run's ``nbytes`` of partials (a float32 tensor) from the caching allocator: ``(tensor, address)``,
     or with ``raw`` and where the allocator allows, ``(None, address)`` of a raw block on
-    ``stream`` that the caller frees with :data:`raw_delete` once its launches are queued."""
-    if raw and stream is not None and _raw_alloc is not None and _current_device() == device.index:
-        return None, _raw_alloc(nbytes, stream)
+    ``stream`` that the caller frees with :func:`splitkv.launch.free_raw` once its launches are queued."""
+    if raw and stream is not None:
+        return None, alloc_raw(nbytes, device_index(device), stream)
     parts = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
     return parts, parts.data_ptr()
 
@@ -126,6 +115,7 @@ def counters(device: torch.device, tiles: int, key: Optional[Tuple[int, int]] = 
 
 def _arena_slice(device: torch.device, size: int, allocate: bool = True) -> Optional[torch.Tensor]:
     """``size`` unused zeroed counters of ``device``'s arena (a new arena if it is full and ``allocate``)."""
+    size = -(-size // 4) * 4  # every slice starts on a 16-byte boundary: the launch key assumes aligned scratch
     index = device_index(device)
     arena = _ARENAS.get(index)
     if arena is None or arena[1] + size > arena[0].numel():

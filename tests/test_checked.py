@@ -22,6 +22,7 @@ import torch
 
 from conftest import build_case, raises_kernel_fault, run_unchecked_in_subprocess
 from splitkv import verify_attention, verify_splitkv_fwd
+from splitkv.options import check_from_env
 
 BASE = dict(prefix_lens=[40, 30], extend_lens=[6, 4], num_q_heads=4, num_kv_heads=2, head_dim=16, seed=5)
 
@@ -150,21 +151,30 @@ def test_env_off_means_unchecked(monkeypatch):
     assert verify_splitkv_fwd(*args, **kwargs)
 
 
-@pytest.mark.parametrize("value, on", [("1", True), ("yes", True), ("0", False), ("", False), (None, False)])
-def test_env_values(value, on, monkeypatch):
-    """SPLITKV_CHECK is read as set at the call (the drop-in reads os.environ's own dict): unset, "" and "0" are off."""
-    from splitkv.api import _env_check
-
+@pytest.mark.parametrize("value, mode", [
+    ("1", True), ("true", True), ("ON", True), ("yes", True), ("full", "full"),
+    ("0", False), ("false", False), ("off", False), ("no", False), ("", False), (None, False),
+])
+def test_env_values(value, mode, monkeypatch):
+    """SPLITKV_CHECK is read as set at the call: 0/false/off/no (or unset) off, 1/true/on/yes on, full."""
     if value is None:
         monkeypatch.delenv("SPLITKV_CHECK", raising=False)
     else:
         monkeypatch.setenv("SPLITKV_CHECK", value)
-    assert _env_check() is on
+    assert check_from_env() == mode and type(check_from_env()) is type(mode)
     # An explicit check= wins: slot -5 (harmless to run in-process, the slot is simply absent).
     p, args, kwargs = _args(TABLE[3])
     assert verify_splitkv_fwd(*args, **kwargs, check=False)
     with _expect(TABLE[3], True):
         verify_splitkv_fwd(*args, **kwargs, check=True)
+
+
+@pytest.mark.parametrize("value", ["2", "maybe", "fulll"])
+def test_env_values_that_mean_nothing_are_an_error(value, monkeypatch):
+    monkeypatch.setenv("SPLITKV_CHECK", value)
+    p, args, kwargs = _args(TABLE[3])
+    with pytest.raises(ValueError, match="SPLITKV_CHECK"):
+        verify_splitkv_fwd(*args, **kwargs)
 
 
 def test_table_is_valid_before_the_edits():

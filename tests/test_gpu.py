@@ -150,7 +150,7 @@ def test_default_partials_are_a_raw_block_freed_after_the_launches(model, one_la
     """Once its launches are compiled, a plan's default partials are a raw block of the caching
     allocator on the current stream, freed once after the launches. Here the block is a NaN-filled
     tensor: the output must not depend on what the block held."""
-    import splitkv.workspace as workspace_module
+    import splitkv.launch as launch_module
 
     p = model_problem(model, [2000, 517], dtype=torch.bfloat16)
     runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, 4, 2, "cuda",
@@ -166,8 +166,8 @@ def test_default_partials_are_a_raw_block_freed_after_the_launches(model, one_la
         blocks[t.data_ptr()] = t
         return t.data_ptr()
 
-    monkeypatch.setattr(workspace_module, "_raw_alloc", raw_alloc)
-    monkeypatch.setattr(workspace_module, "raw_delete", freed.append)
+    monkeypatch.setattr(launch_module, "_RAW_ALLOC", raw_alloc)
+    monkeypatch.setattr(launch_module, "_RAW_DELETE", freed.append)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import CUDA, all_counters_zero, assert_close, assert_matches_reference, gpu, last_plan
-from splitkv import VerifySplitKV, verify_attention, verify_splitkv_fwd, workspace_bytes
+from splitkv import VerifySplitKV, verify_splitkv_fwd, workspace_bytes
 from splitkv.schedule import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE
 from splitkv.testing import MODEL_SHAPES, make_problem, paged_problem, reference_attention, reference_for
 from splitkv.testing.graphs import capture_graph

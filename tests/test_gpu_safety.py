@@ -17,7 +17,6 @@ import triton.language as tl
 import splitkv
 from conftest import CUDA, assert_close, gpu, raises_kernel_fault
 from splitkv import VerifySplitKV, check_device_errors, verify_attention, verify_splitkv_fwd
-from splitkv.schedule import TileConfig
 from splitkv.schedule import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE
 from splitkv.testing import MODEL_SHAPES, make_problem, reference_for
 
@@ -187,7 +186,7 @@ def test_threads_share_no_plan():
     assert not errors, errors[:2]
 
 
-def test_the_error_word_is_written_from_the_device():
+def test_the_fault_log_is_written_from_the_device():
     p = model_problem("llama3-8b", [4096, 777])
     kvi = p.kv_indices.clone()
     kvi[4096 + 5] = 10**8

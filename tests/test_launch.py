@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from conftest import gpu
 from splitkv import launch
 from splitkv.launch import Launcher, _specialization, alignment_bits
 
@@ -252,3 +253,65 @@ def test_direct_launch_calls_launch_hooks():
     finally:
         undo()
     assert seen and "_add_one" in seen[-1]
+
+
+# --- the portable path (ROCm builds, SPLITKV_PORTABLE=1) ----------------------------
+
+
+@pytest.fixture
+def hopper_like(monkeypatch):
+    """A CUDA device of compute capability 9.x outside the interpreter, as far as supports_pdl can tell."""
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))
+    monkeypatch.delenv(launch.PORTABLE_ENV, raising=False)
+    return torch.device("cuda", 0)
+
+
+def test_pdl_needs_nvidia_not_just_a_capability_of_9(hopper_like, monkeypatch):
+    """A ROCm build reports an MI300 as capability 9.4: programmatic dependent launch is NVIDIA's only."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert launch.supports_pdl(hopper_like)
+    monkeypatch.setattr(torch.version, "hip", "6.2.0")
+    assert not launch.supports_pdl(hopper_like) and launch.portable()
+    assert "ROCm" in launch._check_fast_path(triton.__version__)
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("yes", True), ("0", False), ("", False)])
+def test_the_portable_switch_turns_off_pdl_and_the_fast_launcher(hopper_like, monkeypatch, value, on):
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setenv(launch.PORTABLE_ENV, value)
+    assert launch.portable() is on
+    assert launch.supports_pdl(hopper_like) is not on
+    problem = launch._check_fast_path(triton.__version__)
+    assert (problem is not None and "portable" in problem) if on else (problem is None or "portable" not in problem)
+
+
+def test_no_pdl_off_cuda_or_under_the_interpreter(monkeypatch):
+    assert not launch.supports_pdl(torch.device("cpu"))
+    monkeypatch.setattr(launch, "interpreting", lambda: True)
+    assert not launch.supports_pdl(torch.device("cuda", 0))
+
+
+@gpu
+@pytest.mark.gpu
+def test_the_raw_stream_handle_is_the_public_one():
+    """The private raw-stream getter and the public ``current_stream().cuda_stream`` agree, on the
+    default stream and on a side stream."""
+    if launch._RAW_STREAM is None:
+        pytest.skip("no private raw-stream getter here: the public path is the only one")
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side):
+        with torch.cuda.stream(stream):
+            assert launch._RAW_STREAM(torch.cuda.current_device()) == torch.cuda.current_stream().cuda_stream
+
+
+@gpu
+@pytest.mark.gpu
+def test_raw_blocks_come_back_through_the_public_allocator(monkeypatch):
+    """``alloc_raw``/``free_raw`` on the public path (``torch.cuda.caching_allocator_alloc``/``_delete``)."""
+    monkeypatch.setattr(launch, "_RAW_ALLOC", None)
+    monkeypatch.setattr(launch, "_RAW_DELETE", None)
+    index = torch.cuda.current_device()
+    address = launch.alloc_raw(4096, index, launch.current_stream(index))
+    assert address % 16 == 0
+    launch.free_raw(address)

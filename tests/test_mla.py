@@ -23,7 +23,7 @@ import torch
 from conftest import (DEVICE, DTYPES, MIN_SPLIT, TOLERANCE, all_counters_zero, assert_close,
                       assert_matches_reference, gate_call, gpu, plan_options, poisoned_workspace_runner,
                       raises_kernel_fault)
-from splitkv import VerifySplitKV, decline_reason, extend_attention_fwd, gate, schedule, verify_attention
+from splitkv import VerifySplitKV, decline_reason, extend_attention_fwd, schedule, verify_attention
 from splitkv.bench import mla as bench_mla
 from splitkv.resources import H200_SHARED_MEMORY, shared_memory_bytes, shares_rows
 from splitkv.schedule import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE, TileConfig
@@ -127,7 +127,7 @@ def test_a_cut_launch_matches_the_oracle_and_a_small_workspace_keeps_its_rows():
                 for n in (1, 2))
     runner = VerifySplitKV(16, 1, *SMALL, 4, 2, DEVICE, num_sms=132)
     plan = plan_for(runner, one)
-    assert (plan.config.block_m, plan._tiles, plan._constexprs["M_BLOCKS"]) == (32, 2, 2) and plan.n_splits > 1
+    assert (plan.config.block_m, plan.tile.tiles, plan._constexprs["M_BLOCKS"]) == (32, 2, 2) and plan.n_splits > 1
     assert_matches_reference(run_plan(plan, one), one)
     assert plan_for(runner, two).config.block_m == 64
     small_ws, _ = poisoned_workspace_runner(one, max_bs=1, num_sms=132)
@@ -324,7 +324,7 @@ def test_extend_baseline_declines_a_wider_latent():
 def test_gate_serves_deepseek_shapes_within_the_h200_limit(kv_dtype, shared, monkeypatch):
     """With the H200's 227 KB, DeepSeek-V3's 16 heads x 4 drafts (one 64-row tile) are served in 16-bit
     and fp8 pools, V a view or a copy. Padded to one 1024-wide chunk the fp8 pool had no tile at all."""
-    monkeypatch.setattr(gate, "device_shared_memory", lambda device: H200_SHARED_MEMORY)
+    monkeypatch.setattr(schedule, "device_shared_memory", lambda device: H200_SHARED_MEMORY)
     p = mla_problem(MLA, 16, [100], [4], dtype=torch.float16, kv_dtype=kv_dtype, shared=shared, seed=12)
     assert gate_call(decline_reason, p) is None
     smallest = TileConfig(64, 16, 4, 1)

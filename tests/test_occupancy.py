@@ -384,12 +384,10 @@ def test_spread_merge_matches_the_mirror(n_splits, dv):
             self(grid, args)
             return True
 
-    real_merge = plan._merge
-    plan._merge = MergeSkipped()  # the verify kernel alone
-    out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    skipped = plan.step._replace(merge=MergeSkipped())  # the verify kernel alone
+    out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output(), step=skipped)
     assert len(grids) == 1 and grids[0][0] * grids[0][1] * grids[0][2] == len(merge)
     assert torch.equal(torch.isnan(out).cpu(), _merged_cells(merge, p, cfg.block_m, dv, n_splits))
-    plan._merge = real_merge
     out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
     assert_matches_reference(out, p)
 

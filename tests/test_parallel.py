@@ -15,6 +15,7 @@
 """
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import numpy
@@ -25,12 +26,14 @@ from conftest import CUDA, DEVICE, TOLERANCE
 from splitkv import VerifySplitKV, verify_attention
 from splitkv.parallel import (
     ContextParallelVerify,
+    clear_cp_caches,
     cp_verify_attention,
     shard_last_page_len,
     shard_mask,
     shard_owner,
     shard_prefix,
 )
+from splitkv.parallel import api as cp_api
 from splitkv.testing.parallel import (
     launch_local,
     run_cases,
@@ -39,6 +42,7 @@ from splitkv.testing.parallel import (
     simulate_context_parallel,
 )
 from splitkv.testing import make_problem, paged_problem, reference_for, relative_error
+from splitkv.tuning import SMALL_BATCH_MAX_PREFIX
 
 #: LSE budgets (absolute, natural log) against the float64 oracle.
 LSE_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -334,6 +338,56 @@ def test_world_of_one_without_distributed():
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
     got = cp_verify_attention(*p.tensors(p.new_output()), **p.options())
     assert_close(got, reference_for(p), torch.float32)
+
+
+def _cached_plans():
+    """This thread's cached one-call plans, least recently used first: ``[(key, plan)]``."""
+    return list(cp_api._CACHES.plans.items())
+
+
+def test_cp_plan_cache_is_per_thread():
+    """A plan holds bound metadata and exchange buffers: one thread's is never returned in another."""
+    clear_cp_caches()
+    p = small([40, 7], [3, 2], dtype=torch.float32, seed=11)
+    want = cp_verify_attention(*p.tensors(p.new_output()), **p.options())
+    (mine,) = _cached_plans()
+
+    def other_thread():
+        out = cp_verify_attention(*p.tensors(p.new_output()), **p.options())
+        plans = _cached_plans()
+        clear_cp_caches()  # this thread's cache only
+        return out, plans
+
+    with ThreadPoolExecutor(1) as pool:
+        out, (theirs,) = pool.submit(other_thread).result()
+    assert theirs[0] == mine[0] and theirs[1] is not mine[1]  # same signature, its own plan
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    cp_verify_attention(*p.tensors(p.new_output()), **p.options())
+    assert [plan for _, plan in _cached_plans()] == [mine[1]]  # this thread's plan survived the other's clear
+    clear_cp_caches()
+
+
+def test_cp_plan_cache_keys_on_the_small_batch_bit():
+    """Calls on either side of SMALL_BATCH_MAX_PREFIX (the mean prefix fixes the plan's tile) get two plans.
+
+    The mean prefix is counted as the plan counts it, in ``kv_indices`` entries
+    times page rows: with pages of ``2 * SMALL_BATCH_MAX_PREFIX`` rows holding
+    one key each, two sequences with one page between them are below it and two
+    with a page each above, at two keys' cost under the interpreter.
+    """
+    clear_cp_caches()
+    page = 2 * SMALL_BATCH_MAX_PREFIX
+    keys = []
+    for lens in ([1, 0], [1, 1], [1, 0]):
+        p = small(lens, 2, dtype=torch.float32, seed=12)
+        pp = paged_problem(p, page, seed=1, spare_pages=3 - sum(lens))  # pools of one shape: 3 pages
+        got = cp_verify_attention(*pp.tensors(p.new_output()), **pp.options())
+        assert_close(got, reference_for(p), torch.float32)
+        keys.append(_cached_plans()[-1][0])  # the plan just used is the most recent
+    assert keys[0] != keys[1] and keys[2] == keys[0]
+    assert sum(a != b for a, b in zip(keys[0], keys[1])) == 1  # the signatures differ in that bit only
+    assert len(_cached_plans()) == 2
+    clear_cp_caches()
 
 
 def test_bad_runner_arguments():

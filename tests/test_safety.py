@@ -163,9 +163,8 @@ def test_corrupted_counters_are_reported_not_silent():
     r = _runner(p, workspace=ws, n_splits=3)
     plan = r.plan(*_layer(p), *_meta(p))
     r._workspace.counters.fill_(7)  # what a second stream sharing the workspace could leave
-    plan.run(*_layer(p))
-    with pytest.raises(VerifyError, match="merge counters"):
-        check_device_errors(DEVICE)
+    with raises_kernel_fault("merge counters"):  # unchecked, and raised all the same
+        plan.run(*_layer(p))
 
 
 @pytest.mark.parametrize("where", ["tile", "ticket"])
@@ -184,9 +183,8 @@ def test_merge_programs_stop_waiting_on_corrupted_counters(where, monkeypatch):
         r._workspace.counters[: plan.grid[0]] = -1000  # the slices can never bring it to n_used
     else:
         r._workspace.counters[plan.grid[0]] = 10**6  # tickets past the grid
-    plan.run(*_layer(p))  # returns: the wait is bounded
-    with pytest.raises(VerifyError, match="merge"):
-        check_device_errors(DEVICE)
+    with raises_kernel_fault("merge"):  # the wait is bounded, and its fault raised
+        plan.run(*_layer(p))
 
 
 # --- the checked kernel -------------------------------------------------------------------

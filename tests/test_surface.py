@@ -1,55 +1,82 @@
-"""The public surface: what ``import splitkv`` offers, and entry points that must agree.
+"""The public surface: what ``import splitkv`` offers, and entries that take the one option list.
 
-The extend-style argument list is written out in each entry that takes it
-(the drop-in contract wants it positional and explicit); these tests keep the
-copies from drifting apart.
+The options are declared once (:mod:`splitkv.options`); each entry either takes them as keywords
+(and builds :class:`~splitkv.options.VerifyOptions` from them) or, for the drop-in, as
+``extend_attention_fwd``'s positional arguments. These tests derive what each entry must take
+from that declaration.
 """
 
+import dataclasses
 import inspect
+
+import pytest
 
 import splitkv
 from splitkv import can_handle, decline_reason, extend_attention_fwd, verify_attention, verify_splitkv_fwd
-
+from splitkv.options import METADATA, OPTION_NAMES, TENSORS, VerifyOptions, option_names, split_options
+from splitkv.ops import VERIFY_SCHEMA
 
 def _params(fn):
     return list(inspect.signature(fn).parameters.values())
 
 
-def test_entries_take_extend_attention_fwds_arguments_in_its_order():
-    """The drop-in takes extend_attention_fwd's arguments in its order; verify_attention takes its tensors
-    up to kv_indices in that order, then every other argument as a keyword of the same name."""
+def test_the_drop_in_takes_extend_attention_fwds_arguments_in_its_order_and_every_option():
     base = _params(extend_attention_fwd)
-    empty = inspect.Parameter.empty
-    mine = _params(verify_splitkv_fwd)[: len(base)]
-    assert [p.name for p in mine] == [p.name for p in base], "verify_splitkv_fwd"
-    # Keyword defaults agree (the drop-in requires k_scale and v_scale, as SGLang's kernel does).
+    mine = _params(verify_splitkv_fwd)
+    assert [p.name for p in mine[: len(base)]] == [p.name for p in base]
+    assert [p.name for p in base[:9]] == list(TENSORS)
+    # Every option (but return_lse: the drop-in writes no LSE) and every metadata tensor, by name.
+    assert {p.name for p in mine[9:]} == set(option_names()) - {"return_lse"}
+    # Keyword defaults agree with extend_attention_fwd's and with the option list's.
+    defaults = {f.name: f.default for f in dataclasses.fields(VerifyOptions)}
     for p, b in zip(mine, base):
-        if p.name not in ("k_scale", "v_scale") and p.default is not empty:
-            assert p.default == b.default, ("verify_splitkv_fwd", p.name)
-    entry = _params(verify_attention)
-    assert [p.name for p in entry[:9]] == [b.name for b in base[:9]], "verify_attention"
-    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in entry[:9])
-    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in entry[9:])
-    keywords = {p.name: p for p in entry[9:]}
-    for b in base[9:]:
-        assert b.name in keywords, ("verify_attention", b.name)
-        p = keywords[b.name]
-        if p.name not in ("k_scale", "v_scale") and b.default is not empty:
-            assert p.default == b.default, ("verify_attention", p.name)
+        if p.default is not inspect.Parameter.empty:
+            assert p.default == b.default, p.name
+            if p.name in defaults:
+                assert p.default == defaults[p.name], p.name
 
 
-def test_gate_functions_share_their_arguments():
-    reason = _params(decline_reason)
-    handle = _params(can_handle)
-    # can_handle names the tensors and max_len_extend and passes every other keyword on to decline_reason.
-    assert [(p.name, p.kind) for p in handle[:-1]] == [(p.name, p.kind) for p in reason[: len(handle) - 1]]
-    assert handle[-1].kind is inspect.Parameter.VAR_KEYWORD
-    # The gate takes the drop-in's arguments (the output included, as a keyword) and its options, but check.
-    drop_in = {p.name for p in _params(verify_splitkv_fwd)} - {"check"}
-    assert {p.name for p in reason} == drop_in
-    # Everything after kv_indices is a keyword, named as verify_attention names it.
-    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in reason[8:])
-    assert {p.name for p in reason} <= {p.name for p in _params(verify_attention)}
+def test_keyword_entries_take_the_tensors_then_the_option_list():
+    for fn in (verify_attention, decline_reason, can_handle):
+        params = _params(fn)
+        names = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        assert names == [n for n in TENSORS if n != "o_extend" or fn is verify_attention], fn.__name__
+        assert params[-1].kind is inspect.Parameter.VAR_KEYWORD, fn.__name__
+
+
+def test_the_custom_ops_schema_is_the_option_list():
+    for name in list(TENSORS[:3]) + list(TENSORS[4:]) + list(option_names()):
+        assert f" {name}" in VERIFY_SCHEMA, name
+    assert "o_extend" not in VERIFY_SCHEMA
+    # Same order as declared: the keyword part lists the options in declaration order.
+    keywords = VERIFY_SCHEMA.split("*, ")[1]
+    order = [k.split()[1].split("=")[0] for k in keywords.split(") ->")[0].split(", ")]
+    assert order == list(OPTION_NAMES)
+
+
+def test_split_options_takes_exactly_the_option_list():
+    opts, meta = split_options({"max_len_extend": 4, "sinks": None, "is_causal": False})
+    assert opts == VerifyOptions(4, is_causal=False) and set(meta) == set(METADATA)
+    with pytest.raises(TypeError):
+        split_options({"max_len_extend": 4, "not_an_option": 1})
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(is_causal=1), "is_causal must be a bool"),
+    (dict(check="yes"), "check must be one of"),
+    (dict(check=1), "check must be one of"),
+    (dict(max_len_extend=4.0), "max_len_extend must be an int"),
+])
+def test_options_that_an_equal_value_of_another_type_would_hide_raise_type_errors(bad, error):
+    with pytest.raises(TypeError, match=error):
+        VerifyOptions(**{"max_len_extend": 4, **bad})
+
+
+def test_options_are_frozen_and_hashable():
+    opts = VerifyOptions(4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.is_causal = False
+    assert hash(opts) == hash(VerifyOptions(4)) and opts != VerifyOptions(4, is_causal=False)
 
 
 def test_top_level_namespace_is_the_production_api():

@@ -576,11 +576,11 @@ def test_merge_programs_load_more_slices_per_step_in_long_launches():
                      device=DEVICE, seed=21)
     shape = (8, 1, 32, 32, p.max_len_extend, p.batch_size)
     plan = plan_of(VerifySplitKV(*shape, DEVICE, n_splits=12), p)
-    assert plan.merge == MERGE_PROGRAMS and plan._launch.constexprs["MERGE_UNROLL"] == GRID_MERGE_UNROLL
+    assert plan.merge == MERGE_PROGRAMS and plan.step.launch.constexprs["MERGE_UNROLL"] == GRID_MERGE_UNROLL
     assert max(slices_used(plan, p)) > few
     out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
     spread = plan_of(VerifySplitKV(*shape, DEVICE, n_splits=12, one_launch=False), p)
-    assert spread._merge.constexprs["MERGE_UNROLL"] == MERGE_UNROLL
+    assert spread.step.merge.constexprs["MERGE_UNROLL"] == MERGE_UNROLL
     ref = spread.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
     assert torch.equal(out, ref)
     assert_matches_reference(out, p)
@@ -589,15 +589,18 @@ def test_merge_programs_load_more_slices_per_step_in_long_launches():
 
 def test_merge_programs_give_way_when_the_kernel_spills(monkeypatch):
     """A plan whose compiled kernel would spill registers with merge programs merges in a second
-    launch instead, from its first run on: same bits, counters untouched."""
+    launch instead, from its first run on: the plan learns the variant spills (``spilling``), steps
+    bound from then on merge in a second launch; same bits, counters untouched."""
     from splitkv.launch import Launcher
 
     p = make_problem(SLICED, SLICED_EXT, 8, 1, 32, sinks=True, device=DEVICE, seed=18)
     shape = (8, 1, 32, 32, p.max_len_extend, p.batch_size)
     plan = plan_of(VerifySplitKV(*shape, DEVICE), p)
-    assert plan.merge == MERGE_PROGRAMS
+    assert plan.merge == MERGE_PROGRAMS and not plan.spilling
     monkeypatch.setattr(Launcher, "spills", lambda self, args, grid: True)
     out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    assert len(plan.spilling) == 1
+    plan.rebind(p.qo_indptr, p.kv_indptr, p.kv_indices, sinks=p.sinks)
     assert plan.merge == SEPARATE_MERGE and not plan.fused and plan.grid[1] == plan.n_splits
     again = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
     spread = plan_of(VerifySplitKV(*shape, DEVICE, one_launch=False), p)
@@ -862,8 +865,12 @@ def test_counters_for_a_stream_first_seen_inside_a_capture(monkeypatch):
     monkeypatch.setattr(workspace_mod, "capturing", lambda device: True)
     pl = plan()
     assert pl.fused
+    merges = []
+    real = VerifyPlan._launch_merge
+    monkeypatch.setattr(VerifyPlan, "_launch_merge", lambda self, *a: (merges.append(1), real(self, *a)))
     out = pl.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer)
-    assert not pl.fused, "with no arena to cut from inside a capture, the plan must merge in a second launch"
+    assert merges, "with no arena to cut from inside a capture, the launch must merge in a second launch"
+    assert pl.fused, "a decision for that launch only: the plan is unchanged"
     assert not workspace_mod._ARENAS, "nothing may be allocated inside a capture"
     assert_matches_reference(out, p)
 
@@ -909,3 +916,15 @@ def test_nan_in_a_visible_pool_row_propagates(where, one_launch):
     good[rows] = False
     assert relative_error(out[good], ref[good]) < TOLERANCE[torch.float32]
     assert relative_error(out[rows, :2], ref[rows, :2]) < TOLERANCE[torch.float32]
+
+
+def test_counter_slices_start_on_16_byte_boundaries(monkeypatch):
+    """A captured launch's counters are a slice of ``tiles + 2`` ints: each slice is padded so the next
+    starts 16-byte aligned, as the launch key assumes of every scratch address."""
+    import splitkv.workspace as workspace_mod
+
+    monkeypatch.setattr(workspace_mod, "_ARENAS", {})
+    device = torch.device(DEVICE)
+    slices = [workspace_mod._arena_slice(device, n) for n in (7, 3, 9, 1)]
+    assert all(s.data_ptr() % 16 == 0 for s in slices)
+    assert [s.numel() for s in slices] == [8, 4, 12, 4]

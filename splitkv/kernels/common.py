@@ -23,8 +23,8 @@ LAST_PROGRAM = 1
 #: ``MERGE``: merge programs in the verify grid, after the slices' programs.
 MERGE_PROGRAMS = 2
 
-# Faults the kernel reports in its error word (see "Checks"), as ``sequence * 16 + field``;
-# :data:`splitkv.errors.FIELDS` names them.
+# Faults the kernel reports in its launch's slot of the fault log (see "Checks"), as
+# ``sequence * 16 + field``; :data:`splitkv.errors.FIELDS` names them.
 ERR_QO_INDPTR = tl.constexpr(1)
 ERR_DRAFTS = tl.constexpr(2)
 ERR_KV_INDPTR = tl.constexpr(3)
@@ -34,6 +34,14 @@ ERR_MASK = tl.constexpr(6)
 ERR_PREFIX_BOUND = tl.constexpr(7)
 ERR_COUNTERS = tl.constexpr(8)
 ERR_MERGE_WAIT = tl.constexpr(9)
+
+
+@triton.jit
+def _report(Log, slot, code, fault):
+    """Where ``fault``, store ``code`` in word ``slot`` of the fault log ``Log`` and raise its flag
+    (word 0), which the host reads before it looks at the slots (:mod:`splitkv.errors`)."""
+    tl.store(Log + slot, code, mask=fault)
+    tl.store(Log, 1, mask=fault)
 
 
 @triton.jit

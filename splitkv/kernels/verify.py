@@ -123,9 +123,9 @@ of each sequence's first slice checks the sequence's indptrs, draft count
 (against ``max_draft``), last-page length, the extent of its mask rows and,
 in the batch-invariant mode, that its prefix fits the grid's slices; every
 program checks the slots it gathers. A fault is stored as ``sequence * 16
-+ field`` (``ERR_*``) in ``Err``, one int32 word the host reads without
-waiting for the kernel (:mod:`splitkv.errors`): with several faults, one of
-them. Whatever ``CHECK`` says, counters that no launch could have left
++ field`` (``ERR_*``) in the launch's own word ``err_slot`` of the fault log
+``Err``, whose word 0 it also sets: the host reads them without waiting for
+the kernel (:mod:`splitkv.errors`); with several faults, one of them. Whatever ``CHECK`` says, counters that no launch could have left
 (a workspace holding garbage, or shared by two streams at once) are
 reported as ``ERR_COUNTERS``, and a merge program stops waiting for its
 slices after ``spin_limit`` polls (``ERR_MERGE_WAIT``): never a hang.
@@ -172,12 +172,12 @@ import triton
 import triton.language as tl
 
 from .common import (ERR_COUNTERS, ERR_DRAFTS, ERR_KV_INDPTR, ERR_LAST_PAGE, ERR_MASK, ERR_MERGE_WAIT, ERR_PREFIX_BOUND,
-                     ERR_QO_INDPTR, ERR_SLOT, _attend_tile, _attend_tile_rope, _finish, _pool_offset, _tile_slices)
-from .merge import _merge_chunk, _merge_rows, _partial_outputs
+                     ERR_QO_INDPTR, ERR_SLOT, _report, _attend_tile, _attend_tile_rope, _finish, _pool_offset, _tile_slices)
+from .merge import _merge_chunk, _partial_outputs
 
 
 @triton.jit
-def _check_sequence(Err, b, qo_indptr, kv_indptr, Last_Page_Len, mask_indptr, Mask_Offsets, num_tokens, kv_len,
+def _check_sequence(Err, err_slot, b, qo_indptr, kv_indptr, Last_Page_Len, mask_indptr, Mask_Offsets, num_tokens, kv_len,
                     mask_len, max_draft, n_prefix, n_draft, n_keys, n_splits, PAGE_SIZE: tl.constexpr,
                     SPLIT_TOKENS: tl.constexpr, USE_MASK: tl.constexpr, HAS_MASK_OFFSETS: tl.constexpr):
     """Checked mode: report sequence ``b``'s malformed metadata in the error word (see "Checks").
@@ -190,23 +190,23 @@ def _check_sequence(Err, b, qo_indptr, kv_indptr, Last_Page_Len, mask_indptr, Ma
     k0 = tl.load(kv_indptr + b)
     k1 = tl.load(kv_indptr + b + 1)
     code = b * 16
-    tl.store(Err, code + ERR_QO_INDPTR, mask=(q0 < 0) | (q1 < q0) | (q1 > num_tokens))
-    tl.store(Err, code + ERR_DRAFTS, mask=q1 - q0 > max_draft)
-    tl.store(Err, code + ERR_KV_INDPTR, mask=(k0 < 0) | (k1 < k0) | (k1 > kv_len))
+    _report(Err, err_slot, code + ERR_QO_INDPTR, (q0 < 0) | (q1 < q0) | (q1 > num_tokens))
+    _report(Err, err_slot, code + ERR_DRAFTS, q1 - q0 > max_draft)
+    _report(Err, err_slot, code + ERR_KV_INDPTR, (k0 < 0) | (k1 < k0) | (k1 > kv_len))
     if PAGE_SIZE > 1:
         last = tl.load(Last_Page_Len + b)
         has_pages = k1 > k0
-        tl.store(Err, code + ERR_LAST_PAGE,
-                 mask=tl.where(has_pages, (last < 1) | (last > PAGE_SIZE), last != 0))
+        _report(Err, err_slot, code + ERR_LAST_PAGE,
+                tl.where(has_pages, (last < 1) | (last > PAGE_SIZE), last != 0))
     if SPLIT_TOKENS > 0:
-        tl.store(Err, code + ERR_PREFIX_BOUND, mask=tl.cdiv(n_keys, SPLIT_TOKENS) > n_splits)
+        _report(Err, err_slot, code + ERR_PREFIX_BOUND, tl.cdiv(n_keys, SPLIT_TOKENS) > n_splits)
     if USE_MASK:
         offset = 0
         if HAS_MASK_OFFSETS:
             offset = tl.load(Mask_Offsets + b).to(tl.int64)
         start = tl.load(mask_indptr + b).to(tl.int64)
         end = start + n_draft.to(tl.int64) * (offset + n_prefix + n_draft)
-        tl.store(Err, code + ERR_MASK, mask=(start < 0) | (end > mask_len))
+        _report(Err, err_slot, code + ERR_MASK, (start < 0) | (end > mask_len))
 
 @triton.jit
 def _rope_queries(Q, rows, h, stride_qt, stride_qh, offs_dv, offs_r, row_ok):
@@ -252,12 +252,13 @@ def _rope_keys(K, V, k_row, v_row, ok, offs_dv, offs_r, dtype, SHARED: tl.conste
 
 
 @triton.jit(do_not_specialize=["lse_offset", "num_tokens", "pool_tokens", "kv_len", "mask_len", "n_splits",
-                               "min_split", "window", "xai_len", "max_draft", "spin_limit"])
+                               "min_split", "window", "xai_len", "max_draft", "spin_limit", "err_slot"])
 def _verify_kernel(
     Q, K_Ext, V_Ext, K_Buf, V_Buf, O, LSE_Out,
     qo_indptr, kv_indptr, kv_indices, Last_Page_Len, Mask, mask_indptr, Mask_Offsets, Sinks,
     Part_O, lse_offset, Counters,  # scratch: partial outputs, then (at lse_offset) partial LSEs
-    Err,  # the error word (see "Checks")
+    Err,  # the fault log: word 0 its flag (see "Checks" and splitkv.errors)
+    err_slot,  # this launch's word of the fault log
     qk_scale_prefix,  # sm_scale * k_scale * log2(e)
     qk_scale_draft,  # sm_scale * log2(e)
     v_scale,
@@ -319,7 +320,7 @@ def _verify_kernel(
         ticket = tl.atomic_add(Counters + n_tiles, 1, sem="relaxed", scope="gpu")
         # Tickets run 0 .. programs - 1; anything else means the counters were not zeroed.
         ticket_ok = (ticket >= 0) & (ticket < n_tiles * tl.num_programs(1))
-        tl.store(Err, ERR_COUNTERS, mask=ticket_ok == 0)
+        _report(Err, err_slot, ERR_COUNTERS, ticket_ok == 0)
         ticket = tl.where(ticket_ok, ticket, 0)
         tile = ticket % n_tiles
         split = ticket // n_tiles  # >= n_splits: a merge program
@@ -338,7 +339,7 @@ def _verify_kernel(
         has_rows = has_rows & ticket_ok
     if CHECK:
         if (split == 0) & (head_tile == 0) & (m_block == 0):
-            _check_sequence(Err, b, qo_indptr, kv_indptr, Last_Page_Len, mask_indptr, Mask_Offsets, num_tokens,
+            _check_sequence(Err, err_slot, b, qo_indptr, kv_indptr, Last_Page_Len, mask_indptr, Mask_Offsets, num_tokens,
                             kv_len, mask_len, max_draft, n_prefix, n_draft, n_prefix - first_key, n_splits,
                             PAGE_SIZE, SPLIT_TOKENS, USE_MASK, HAS_MASK_OFFSETS)
     if (split < n_used) & has_rows:
@@ -469,7 +470,7 @@ def _verify_kernel(
                 )
         acc = acc * v_scale  # fp8 pools: dequantise V once, on the slice's output
         if CHECK:
-            tl.store(Err, b * 16 + ERR_SLOT, mask=tl.max(bad_key, 0) != 0)
+            _report(Err, err_slot, b * 16 + ERR_SLOT, tl.max(bad_key, 0) != 0)
 
         # 2. The last slice's program also takes the draft block.
         if ATTEND_DRAFT:
@@ -544,7 +545,7 @@ def _verify_kernel(
             if MERGE == 1:  # LAST_PROGRAM
                 tl.debug_barrier()  # every thread's stores issued before the release below
                 done = tl.atomic_add(Counters + tile, 1, sem="acq_rel", scope="gpu")
-                tl.store(Err, b * 16 + ERR_COUNTERS, mask=(done < 0) | (done >= n_used))
+                _report(Err, err_slot, b * 16 + ERR_COUNTERS, (done < 0) | (done >= n_used))
                 if done == n_used - 1:
                     tl.atomic_xchg(Counters + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
                     # The whole tile as one block: rows x every value column.
@@ -568,7 +569,7 @@ def _verify_kernel(
             while (seen < n_used) & (polls < spin_limit):
                 seen = tl.atomic_add(Counters + tile, 0, sem="acquire", scope="gpu")
                 polls += 1
-            tl.store(Err, b * 16 + ERR_MERGE_WAIT, mask=seen < n_used)
+            _report(Err, err_slot, b * 16 + ERR_MERGE_WAIT, seen < n_used)
             if seen >= n_used:
                 _merge_chunk(O, LSE_Out, Sinks, Part_O, Part_LSE, tile, chunk // DV_CHUNKS, chunk % DV_CHUNKS,
                              m_block, head_tile, q_start, n_draft, n_used, n_splits, stride_ot, stride_oh,

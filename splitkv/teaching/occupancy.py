@@ -33,7 +33,7 @@ import heapq
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from ..schedule import (LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE, TileConfig, block_m_for, cdiv, choose_n_splits,
+from ..schedule import (MERGE_PROGRAMS, SEPARATE_MERGE, TileConfig, block_m_for, cdiv, choose_n_splits,
                         grid_merge_block, head_tiles, launch_block_m, merge_launch_block, merge_mode, min_split_for, n_used,
                         one_wave_n_splits, slicing, split_keys, split_len, split_ranges, tile_config)
 from ..tuning import TUNED, programs_per_sm, small_batch_tile

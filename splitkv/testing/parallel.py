@@ -23,7 +23,8 @@ import torch
 
 from ..merge import merge_states
 from ..paged import paged_prefix_lens
-from ..parallel import ContextParallelVerify, cp_verify_attention, dist, shard_last_page_len, shard_mask, shard_prefix
+from ..parallel import ContextParallelVerify, cp_verify_attention, shard_last_page_len, shard_mask, shard_prefix
+from ..parallel.group import dist
 from ..plan import VerifySplitKV
 from .problem import PagedProblem, make_problem, paged_problem
 

@@ -1,0 +1,201 @@
+"""The options of a verify call, written once.
+
+Every entry (the drop-in :func:`splitkv.verify_splitkv_fwd`,
+:func:`splitkv.verify_attention`, the custom op, the gate, plan/run and the
+context-parallel entries) takes the same options, by the same names. They
+are declared here, once:
+
+* :class:`VerifyOptions` -- the call's Python scalars (a frozen dataclass:
+  hashable, so it is part of the plan caches' keys);
+* :data:`METADATA` -- the optional metadata tensors, named as
+  ``extend_attention_fwd`` names them (a step's tensors, bound to a plan);
+* :func:`split_options` -- keyword arguments into those two.
+
+The custom op's schema (:mod:`splitkv.ops`), the surface tests and the API
+page are derived from these declarations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import os
+import typing
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple, Union
+
+__all__ = ["VerifyOptions", "METADATA", "TENSORS", "split_options", "option_names", "check_from_env",
+           "CHECK_ENV", "CHECK_MODES"]
+
+#: The tensors every entry takes first, positionally, in ``extend_attention_fwd``'s order
+#: (``o_extend`` is the drop-in's output; :func:`splitkv.verify_attention` allocates one for ``None``).
+TENSORS = ("q_extend", "k_extend", "v_extend", "o_extend", "k_buffer", "v_buffer",
+           "qo_indptr", "kv_indptr", "kv_indices")
+
+#: The optional metadata tensors (``None``: absent), as ``extend_attention_fwd`` names them:
+#: the tree mask and where each sequence's rows start, attention-sink logits ``[H_Q]``,
+#: the mask rows' column offsets ``[bs]``, and for paged pools the rows used in each
+#: sequence's last page ``[bs]`` (:mod:`splitkv.paged`).
+METADATA = ("custom_mask", "mask_indptr", "sinks", "window_kv_offsets", "kv_last_page_len")
+
+#: Values of ``check``: no checks, the kernel's checks, those plus a synchronous value check.
+CHECK_MODES = (False, True, "full")
+#: The environment variable that sets the drop-in's default ``check``.
+CHECK_ENV = "SPLITKV_CHECK"
+_CHECK_WORDS = {"": False, "0": False, "false": False, "off": False, "no": False,
+                "1": True, "true": True, "on": True, "yes": True, "full": "full"}
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyOptions:
+    """The Python scalars of a verify call.
+
+    Attributes:
+        max_len_extend: most draft tokens of any sequence (in ``[1, 64]`` for the split path).
+        is_causal: causal draft block when there is no ``custom_mask`` (a bool).
+        k_scale: key-pool dequantisation multiplier (a Python number: a tensor would need a device read).
+        v_scale: value-pool dequantisation multiplier (a Python number).
+        sm_scale: softmax scale (default ``1 / sqrt(head_dim)``).
+        logit_cap: ``> 0``: scores become ``cap * tanh(s / cap)``.
+        skip_prefix_custom_mask: ``custom_mask`` holds no prefix columns the kernel must read
+            (the split path declines ``False`` with a mask).
+        sliding_window_size: ``> 0``: the query at position ``p`` sees keys at ``>= p - W``;
+            only those slices are read.
+        xai_temperature_len: ``> 0``: scores of the query at position ``p > len`` are multiplied
+            by ``log2(p) / log2(len)``.
+        max_bs: the largest batch this shape will see (default: the call's).
+        split_tokens: a fixed slice length in tokens (a multiple of 128): the batch-invariant
+            mode, where a sequence's output is bitwise the same in any batch. Needs ``max_prefix_len``.
+        max_prefix_len: with ``split_tokens``, the most prefix keys of any sequence (sizes the grid).
+        check: ``True``: the kernel validates the metadata as it reads it; ``"full"``: that and a
+            synchronous check that reads the device first (skipped during CUDA-graph capture);
+            ``False``: neither (see :mod:`splitkv.errors` for how faults are raised).
+        return_lse: also return the natural-log LSE per (token, query head).
+    """
+
+    max_len_extend: int
+    is_causal: bool = True
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    sm_scale: Optional[float] = None
+    logit_cap: float = 0.0
+    skip_prefix_custom_mask: bool = True
+    sliding_window_size: int = -1
+    xai_temperature_len: int = -1
+    max_bs: Optional[int] = None
+    split_tokens: Optional[int] = None
+    max_prefix_len: Optional[int] = None
+    check: Union[bool, str] = True
+    return_lse: bool = False
+
+    def __post_init__(self):
+        # Types that an equal value of another type would hide in a cache key (1 == True) are checked on
+        # every call; the rest, once per new key (:meth:`problem`).
+        if type(self.is_causal) is not bool:
+            raise TypeError(f"is_causal must be a bool, got {type(self.is_causal).__name__}")
+        if not (self.check is True or self.check is False or self.check == "full"):
+            raise TypeError(f"check must be one of {CHECK_MODES}, got {self.check!r}")
+        if isinstance(self.max_len_extend, bool) or not isinstance(self.max_len_extend, numbers.Integral):
+            raise TypeError(f"max_len_extend must be an int, got {type(self.max_len_extend).__name__}")
+
+    def scale_problem(self) -> Optional[str]:
+        """Why the split path cannot take these scales (it needs Python numbers), or ``None``."""
+        for name in ("k_scale", "v_scale"):
+            if not _finite(getattr(self, name)):
+                return f"{name} must be a finite Python number (a tensor would need a device read)"
+        if self.sm_scale is not None and not _finite(self.sm_scale):
+            return "sm_scale must be a finite Python number or None"
+        return None
+
+    def problem(self) -> Optional[str]:
+        """Why these scalars are malformed (a ``ValueError``'s message), or ``None``."""
+        if not _finite(self.logit_cap) or self.logit_cap < 0:
+            return f"logit_cap must be a finite Python number >= 0 (0: off), got {self.logit_cap!r}"
+        for name in ("sliding_window_size", "xai_temperature_len"):
+            if not _is_int(getattr(self, name)):
+                return f"{name} must be a Python int (<= 0: off), got {getattr(self, name)!r}"
+        if self.xai_temperature_len == 1:
+            return "xai_temperature_len must be <= 0 (off) or >= 2: log2(1) is 0"
+        if self.max_len_extend < 0:
+            return f"max_len_extend must be a non-negative Python int, got {self.max_len_extend!r}"
+        if self.max_bs is not None and (not _is_int(self.max_bs) or self.max_bs < 1):
+            return f"max_bs must be a positive int or None, got {self.max_bs!r}"
+        return _batch_invariant_problem(self.split_tokens, self.max_prefix_len)
+
+    @property
+    def window(self) -> Optional[int]:
+        """Keys a query may see before its own position (the sliding window), or ``None``."""
+        w = self.sliding_window_size
+        return int(w) if w is not None and w > 0 else None
+
+    @property
+    def xai_len(self) -> int:
+        """The xai temperature's length, 0 when off."""
+        x = self.xai_temperature_len
+        return int(x) if x is not None and x > 0 else 0
+
+    @property
+    def cacheable(self) -> bool:
+        """Whether a plan for these options may be cached (scales that are numbers, not tensors)."""
+        return isinstance(self.k_scale, numbers.Real) and isinstance(self.v_scale, numbers.Real)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _batch_invariant_problem(split_tokens, max_prefix_len) -> Optional[str]:
+    """``split_tokens`` (a positive multiple of 128, or ``None``) and its bound ``max_prefix_len``."""
+    if split_tokens is None:
+        if max_prefix_len is not None:
+            return "max_prefix_len bounds the batch-invariant mode's slices: give it with split_tokens"
+        return None
+    if not _is_int(split_tokens) or split_tokens < 128 or split_tokens % 128:
+        return f"split_tokens must be a positive multiple of 128 (whole key tiles), got {split_tokens!r}"
+    if max_prefix_len is None:
+        return ("split_tokens needs max_prefix_len, the most prefix keys of any sequence: "
+                "it sizes the grid's slices and their scratch")
+    if not _is_int(max_prefix_len) or max_prefix_len < 1:
+        return f"max_prefix_len must be a positive int, got {max_prefix_len!r}"
+    return None
+
+
+#: The option names, in declaration order.
+OPTION_NAMES: Tuple[str, ...] = tuple(f.name for f in dataclasses.fields(VerifyOptions))
+
+
+def option_names() -> Tuple[str, ...]:
+    """Every keyword an entry takes after its tensors: :class:`VerifyOptions`' fields, then :data:`METADATA`."""
+    return OPTION_NAMES + METADATA
+
+
+def option_types() -> Dict[str, object]:
+    """Each :class:`VerifyOptions` field's annotation, resolved (the custom op's schema is built from them)."""
+    return typing.get_type_hints(VerifyOptions)
+
+
+def split_options(options: Dict[str, object]) -> Tuple[VerifyOptions, Dict[str, object]]:
+    """Keyword arguments into ``(VerifyOptions, {metadata name: tensor or None})``.
+
+    Raises:
+        TypeError: for a keyword that is neither an option nor a metadata tensor.
+    """
+    meta = {name: options.pop(name, None) for name in METADATA}
+    return VerifyOptions(**options), meta
+
+
+def check_from_env() -> Union[bool, str]:
+    """The drop-in's default ``check``, from ``SPLITKV_CHECK``: ``0/false/off/no`` (or unset) off,
+    ``1/true/on/yes`` on, ``full``; anything else raises ``ValueError``."""
+    raw = os.environ.get(CHECK_ENV)
+    if raw is None:
+        return False
+    mode = _CHECK_WORDS.get(raw.strip().lower())
+    if mode is None:
+        raise ValueError(f"{CHECK_ENV}={raw!r}: use one of 0/false/off/no, 1/true/on/yes, full")
+    return mode

@@ -1,0 +1,179 @@
+"""The fault contract (:mod:`splitkv.errors`): every report a kernel makes is raised, once, blamed on
+the launch that made it, in the thread that launched it (or any thread, for a captured launch).
+
+Reports are written by the kernel into its launch's slot of the device's fault log. Under the
+interpreter the kernel has run when the call returns, so the launching call raises; the tests that
+need a report still pending (as on a GPU, where the kernel runs later) write it into a slot themselves,
+as the kernel does: the code in the slot, then the flag.
+"""
+
+import threading
+
+import pytest
+import torch
+
+from conftest import CUDA, DEVICE, assert_matches_reference
+from splitkv import VerifyError, VerifySplitKV, check_device_errors, verify_attention
+from splitkv.api import _CACHES, clear_caches
+from splitkv.errors import EAGER_SLOTS, fault_log, raise_pending_faults
+from splitkv.kernels.common import ERR_COUNTERS, ERR_SLOT
+from splitkv.schedule import workspace_bytes
+from splitkv.testing import make_problem
+
+
+def _report(slot: int, code: int) -> None:
+    """What the kernel does on a fault: the code in its slot, then the log's flag."""
+    log = fault_log(DEVICE)
+    log.words[slot] = code
+    log.words[0] = 1
+
+
+def _pending_launch(captured: bool = False) -> int:
+    """A slot taken as a launch of this thread takes it (``captured``: for a graph's replays)."""
+    return fault_log(DEVICE).take_slot(captured)
+
+
+def _in_thread(fn):
+    """Run ``fn`` in a new thread; return what it returned or raised."""
+    result = {}
+
+    def run():
+        try:
+            result["value"] = fn()
+        except Exception as err:  # noqa: BLE001 - handed back to the test
+            result["error"] = err
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return result
+
+
+def _problem(**kw):
+    return make_problem([150, 70], 3, num_q_heads=4, num_kv_heads=2, head_dim=32, seed=1, device=DEVICE, **kw)
+
+
+def test_a_report_names_its_sequence_field_and_launch():
+    slot = _pending_launch()
+    _report(slot, 1 * 16 + ERR_SLOT.value)
+    with pytest.raises(VerifyError, match=r"sequence 1: kv_indices .*from launch #\d+ \(eager, thread"):
+        raise_pending_faults(DEVICE)
+    raise_pending_faults(DEVICE)  # raised once: nothing left
+
+
+def test_two_pending_reports_are_raised_together_not_one_lost():
+    a, b = _pending_launch(), _pending_launch()
+    _report(a, ERR_SLOT.value)
+    _report(b, 16 + ERR_SLOT.value)
+    with pytest.raises(VerifyError) as caught:
+        check_device_errors(DEVICE)
+    assert "sequence 0" in str(caught.value) and "sequence 1" in str(caught.value)
+
+
+def test_another_threads_report_is_not_raised_here_but_stays_pending():
+    """A call raises its own thread's reports; another thread's wait for that thread or for
+    check_device_errors, and are not blamed on this call."""
+    slot = _in_thread(_pending_launch)["value"]
+    _report(slot, ERR_SLOT.value)
+    p = _problem()
+    out = verify_attention(*p.tensors(None), **p.options())  # not this thread's fault
+    assert_matches_reference(out, p)
+    with pytest.raises(VerifyError, match="sequence 0: kv_indices"):
+        check_device_errors(DEVICE)
+
+
+def test_a_captured_launchs_report_is_raised_by_any_thread():
+    slot = _in_thread(lambda: _pending_launch(captured=True))["value"]
+    _report(slot, ERR_COUNTERS.value)
+    p = _problem()
+    with pytest.raises(VerifyError, match=r"merge counters .*captured into a CUDA graph"):
+        verify_attention(*p.tensors(None), **p.options())
+
+
+def test_a_slot_holding_an_unraised_report_is_not_handed_to_another_launch():
+    log = fault_log(DEVICE)
+    held = log.take_slot(False)
+    _report(held, ERR_SLOT.value)
+    log.words[0] = 0  # as if a scan had cleared the flag but not reached this slot yet
+    taken = {log.take_slot(False) for _ in range(EAGER_SLOTS + 1)}
+    assert held not in taken
+    with pytest.raises(VerifyError):
+        check_device_errors(DEVICE)
+
+
+def test_an_unchecked_launch_raises_the_counter_fault_it_reports():
+    """Counter faults are reported whatever ``check`` says, and raised: an unchecked call does not
+    return rows its merge skipped as if they were written."""
+    p = _problem()
+    shape = (p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend, p.batch_size)
+    need = workspace_bytes(*shape[:2], shape[3], *shape[4:], 4)
+    runner = VerifySplitKV(*shape, DEVICE, n_splits=4, workspace=torch.zeros(need, dtype=torch.uint8, device=DEVICE))
+    plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
+                       p.kv_indices, sm_scale=p.sm_scale)
+    assert not plan.checked and plan.n_splits > 1 and plan.fused
+    runner._workspace.counters.fill_(1000)  # a workspace that was not zeroed
+    with pytest.raises(VerifyError, match="merge counters"):
+        plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+        check_device_errors(DEVICE)
+
+
+def test_threads_sharing_the_entries_get_exact_outputs_and_their_own_faults():
+    """Four threads call verify_attention, one with a bad slot in its second call: each good call is
+    exact, and the bad call's fault is raised in its own thread (at a call, or at the thread's final
+    read of its pending reports), never in another's. At once on a GPU; one after another under the
+    interpreter, which is not thread-safe."""
+    good = [_problem() for _ in range(3)]
+    kvi = good[0].kv_indices.clone()
+    kvi[3] = 10**6
+    bad = good[0].replace(kv_indices=kvi)
+
+    def worker(p, faulty):
+        raised = 0
+        for i in range(3):
+            case = bad if faulty and i == 1 else p
+            try:
+                out = verify_attention(*case.tensors(None), **case.options())
+            except VerifyError:
+                raised += 1
+                continue
+            assert_matches_reference(out, case)
+        if CUDA:
+            torch.cuda.synchronize()
+        try:
+            fault_log(DEVICE).raise_pending(scan=True)  # this thread's reports only
+        except VerifyError:
+            raised += 1
+        return raised
+
+    results = {}
+    threads = [threading.Thread(target=lambda j=j: results.__setitem__(j, _safe(worker, good[j % 3], j == 3)))
+               for j in range(4)]
+    for t in threads:
+        t.start()
+        if not CUDA:
+            t.join()
+    for t in threads:
+        t.join()
+    assert results == {0: 0, 1: 0, 2: 0, 3: 1}, results
+
+
+def _safe(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as err:  # noqa: BLE001 - compared in the test
+        return err
+
+
+def test_tree_steps_that_only_change_lengths_reuse_one_plan():
+    """An eager engine loop of EAGLE tree steps: prefixes grow and the tree mask's length with them;
+    each step rebinds the cached plan (one plan, exact outputs), as causal steps do."""
+    clear_caches()
+    pool = 1000  # the engine's pool: the same tensor shape every step
+    for step, grow in enumerate((0, 5, 9, 40)):
+        prefix = [150 + grow, 70 + grow]
+        p = make_problem(prefix, 4, num_q_heads=4, num_kv_heads=2, head_dim=32, mask="tree", seed=step,
+                         device=DEVICE, pool_factor=(pool - 0.5) / sum(prefix))
+        assert p.k_buffer.shape[0] == pool
+        out = verify_attention(*p.tensors(None), **p.options())
+        assert_matches_reference(out, p)
+    assert len(_CACHES.plans) == 1

@@ -1,0 +1,116 @@
+"""The host layer's contracts: a plan is not changed by running it, steps bind apart from plans, a
+plan may be shared by threads, and a kernel that cannot be compiled for the device is declined."""
+
+import threading
+
+import torch
+import triton
+
+from conftest import CUDA, DEVICE, assert_matches_reference
+from splitkv import VerifySplitKV, verify_attention, verify_splitkv_fwd
+from splitkv.api import _CACHES, clear_caches
+from splitkv.gate import Decline
+from splitkv.plan import Step, VerifyPlan
+from splitkv.testing import make_problem
+
+
+def _problem(prefix=(150, 70), seed=1, **kw):
+    return make_problem(list(prefix), 3, num_q_heads=4, num_kv_heads=2, head_dim=32, seed=seed, device=DEVICE, **kw)
+
+
+def _plan(p):
+    runner = VerifySplitKV(p.num_q_heads, p.num_kv_heads, p.head_dim, p.v_head_dim, p.max_len_extend, 4, DEVICE)
+    return runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr, p.kv_indptr,
+                       p.kv_indices, sm_scale=p.sm_scale, custom_mask=p.custom_mask, mask_indptr=p.mask_indptr)
+
+
+def _layer(p):
+    return p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer
+
+
+def test_running_a_plan_changes_nothing_in_it():
+    p = _problem(mask="tree")
+    plan = _plan(p)
+    before = {name: value for name, value in vars(plan).items()}
+    snapshot = {name: (value if isinstance(value, (int, float, bool, str, tuple, type(None))) else id(value))
+                for name, value in before.items()}
+    for _ in range(2):
+        assert_matches_reference(plan.run(*_layer(p), out=p.new_output()), p)
+    after = {name: (value if isinstance(value, (int, float, bool, str, tuple, type(None))) else id(value))
+             for name, value in vars(plan).items()}
+    assert after == snapshot
+    assert plan.spilling == set()  # nothing learned off the GPU
+
+
+def _reprefixed(base, lens, seed):
+    """``base`` with other prefixes of ``lens`` keys on random slots of the same pool (same signature)."""
+    g = torch.Generator().manual_seed(seed)
+    kvi = torch.randperm(base.k_buffer.shape[0], generator=g)[: sum(lens)].to(device=DEVICE,
+                                                                               dtype=base.kv_indices.dtype)
+    kvp = torch.tensor([0, lens[0], sum(lens)], device=DEVICE, dtype=base.kv_indptr.dtype)
+    return base.replace(kv_indices=kvi, kv_indptr=kvp, prefix_lens=list(lens))
+
+
+def test_a_step_binds_without_touching_the_plan():
+    """``bind`` returns a step for other metadata (here longer prefixes); the plan's own step is
+    untouched, and each step runs exactly."""
+    p = _problem(prefix=(160, 96), seed=2)
+    plan = _plan(p)
+    own = plan.step
+    longer = _reprefixed(p, (200, 120), seed=3)
+    step = plan.bind(longer.qo_indptr, longer.kv_indptr, longer.kv_indices)
+    assert isinstance(step, Step) and plan.step is own and step.kv_len == 320
+    assert_matches_reference(plan.run(*_layer(longer), out=longer.new_output(), step=step), longer)
+    assert_matches_reference(plan.run(*_layer(p), out=p.new_output()), p)
+
+
+def test_threads_sharing_one_plan_bind_their_own_steps():
+    """Four threads share one plan, each with its own metadata (its own prefixes of the same pool):
+    each binds a step and runs it; every output is exact. At once on a GPU; one after another under
+    the interpreter, which is not thread-safe."""
+    base = _problem(prefix=(160, 96), seed=4)
+    plan = _plan(base)
+    results, threads = {}, []
+
+    def worker(i):
+        try:
+            mine = _reprefixed(base, (160 - 16 * i, 96 + 8 * i), seed=i)
+            step = plan.bind(mine.qo_indptr, mine.kv_indptr, mine.kv_indices)
+            for _ in range(2):
+                assert_matches_reference(plan.run(*_layer(mine), out=mine.new_output(), step=step), mine)
+            results[i] = True
+        except Exception as err:  # noqa: BLE001 - reported below
+            results[i] = err
+
+    for i in range(4):
+        threads.append(threading.Thread(target=worker, args=(i,)))
+        threads[-1].start()
+        if not CUDA:
+            threads[-1].join()
+    for t in threads:
+        t.join()
+    assert results == {i: True for i in range(4)}, results
+
+
+def test_a_compile_that_runs_out_of_resources_declines(monkeypatch):
+    """Where the shared-memory model under-estimates a tile, Triton's compile raises OutOfResources
+    after the gate accepted the call: the drop-in then returns False having written nothing, later
+    calls of the signature decline at once, and verify_attention falls back to the baseline."""
+    clear_caches()
+    calls = []
+
+    def out_of_resources(self, *args):
+        calls.append(1)
+        raise triton.OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(VerifyPlan, "_run", out_of_resources)
+    p = _problem()
+    o = p.new_output()
+    assert verify_splitkv_fwd(*p.args(o), **p.kwargs()) is False
+    assert torch.isnan(o).all()
+    assert verify_splitkv_fwd(*p.args(o), **p.kwargs()) is False and len(calls) == 1  # declined from the cache
+    cached = next(reversed(_CACHES.plans.values()))
+    assert isinstance(cached, Decline) and cached.reason.startswith("resources")
+    clear_caches()
+    out = verify_attention(*p.tensors(None), **p.options())
+    assert_matches_reference(out, p)  # the baseline
