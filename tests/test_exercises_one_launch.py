@@ -70,3 +70,7 @@ def test_who_merges_solution_passes():
 def test_who_merges_checker_rejects(answers, says):
     with pytest.raises(AssertionError, match=says):
         check_who_merges(answers)
+
+
+def test_who_merges_accepts_a_function():
+    assert check_who_merges(solution_who_merges).startswith("passed")

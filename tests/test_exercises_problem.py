@@ -33,3 +33,24 @@ def test_kv_bytes_checker_rejects(wrong, says):
 def test_bytes_in_flight_checker_rejects(wrong, says):
     with pytest.raises(AssertionError, match=says):
         check_bytes_in_flight(wrong)
+
+
+def test_a_stub_waits_and_hands_on_the_solution(monkeypatch, capsys):
+    from splitkv.teaching.exercises import exercise, is_stub, todo
+
+    def kv_bytes(p):
+        todo("kv_bytes")
+
+    monkeypatch.delenv("SPLITKV_SOLUTIONS", raising=False)
+    assert is_stub(kv_bytes) and not is_stub(solution_kv_bytes)
+    assert exercise(kv_bytes, check_kv_bytes) is solution_kv_bytes
+    printed = capsys.readouterr().out
+    assert printed.startswith("waiting: kv_bytes") and "passed" not in printed
+    monkeypatch.setenv("SPLITKV_SOLUTIONS", "1")
+    assert exercise(kv_bytes, check_kv_bytes) is solution_kv_bytes
+    assert "passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check", [check_kv_bytes, check_bytes_in_flight])
+def test_checkers_know_their_solution(check):
+    assert check(check.solution).startswith("passed")

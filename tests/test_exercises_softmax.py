@@ -126,3 +126,15 @@ def test_tile_step_solution_passes():
 def test_tile_step_checker_rejects(wrong, says):
     with pytest.raises(AssertionError, match=says):
         check_tile_step(wrong)
+
+
+def test_a_stub_waits_even_inside_the_checker_s_try(monkeypatch, capsys):
+    # check_merge turns a crash into an AssertionError; an unwritten stub must still read as waiting.
+    from splitkv.teaching.exercises import exercise, todo
+
+    def my_merge(states):
+        todo("my_merge")
+
+    monkeypatch.delenv("SPLITKV_SOLUTIONS", raising=False)
+    assert exercise(my_merge, check_merge) is solution_merge
+    assert capsys.readouterr().out.startswith("waiting: my_merge")

@@ -150,3 +150,17 @@ def test_latency_solution_passes():
 def test_latency_checker_rejects(wrong, says):
     with pytest.raises(AssertionError, match=says):
         check_latency_fit(wrong, SWEEP)
+
+
+def test_a_triton_stub_waits(monkeypatch, capsys):
+    from splitkv.teaching.exercises import Unsolved, exercise, todo
+
+    @triton.jit
+    def tile_step(m_i, l_i, acc, s, v):
+        todo("tile_step")
+
+    with pytest.raises(Unsolved):
+        check_tile_step(tile_step)
+    monkeypatch.delenv("SPLITKV_SOLUTIONS", raising=False)
+    assert exercise(tile_step, check_tile_step) is solution_tile_step
+    assert capsys.readouterr().out.startswith("waiting: tile_step")

@@ -20,15 +20,22 @@ so the lesson still runs to its end. With the switch on
 (``SPLITKV_SOLUTIONS=1``: CI, nbval, the docs build) the worked solution
 replaces the learner's function before the check, so stored outputs show a
 solved run. :func:`show_solution` prints a worked solution's source.
+
+A Triton exercise's stub is a ``@triton.jit`` function whose body is
+``todo("...")``. A kernel's body is never called as plain Python on a GPU, so
+its checker first asks :func:`is_stub`, which reads the source, and raises
+:class:`Unsolved` for a stub without launching it.
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
 import os
+import textwrap
 from typing import Callable
 
-__all__ = ["SOLUTIONS_ENV", "Unsolved", "todo", "checks", "exercise", "solutions_enabled", "show_solution"]
+__all__ = ["SOLUTIONS_ENV", "Unsolved", "todo", "checks", "exercise", "solutions_enabled", "show_solution", "is_stub"]
 
 #: The environment variable that runs every exercise with its worked solution.
 SOLUTIONS_ENV = "SPLITKV_SOLUTIONS"
@@ -42,6 +49,17 @@ class Unsolved(NotImplementedError):
 def todo(what: str) -> None:
     """The body of an exercise stub: raise :class:`Unsolved` naming the exercise."""
     raise Unsolved(f"write {what} here: replace the todo(...) line by your code")
+
+
+def is_stub(fn: Callable) -> bool:
+    """Whether ``fn`` (a function or a ``@triton.jit`` function) still calls ``todo(...)`` in its body."""
+    try:
+        source = textwrap.dedent(inspect.getsource(getattr(fn, "fn", fn)))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return False
+    return any(isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "todo"
+               for node in ast.walk(tree))
 
 
 def solutions_enabled() -> bool:
@@ -91,5 +109,6 @@ def exercise(learner: Callable, checker: Callable, *args, **kwargs) -> Callable:
 
 
 def show_solution(checker: Callable) -> None:
-    """Print the source of the worked solution ``checker`` judges against."""
-    print(inspect.getsource(checker.solution))
+    """Print the source of the worked solution ``checker`` judges against (a ``@triton.jit`` function's too)."""
+    solution = checker.solution
+    print(inspect.getsource(getattr(solution, "fn", solution)))

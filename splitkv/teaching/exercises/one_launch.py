@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 from typing import Callable, Dict, List, Optional
 
+from . import checks
 from ... import schedule
 from ...testing import MODEL_SHAPES
 
@@ -105,6 +106,7 @@ def _launch_problem(merges: Dict[int, list], n_used: List[int], start: List[int]
     return None
 
 
+@checks(solution_arrive)
 def check_arrive(arrive: Callable, seed: int = 0, orders: int = 20, launches: int = 3) -> str:
     """Replay ``launches`` launches on shared counters, in ``orders`` random interleavings; explain any failure."""
     rng = random.Random(seed)
@@ -162,8 +164,12 @@ def _why(shape: dict) -> str:
             f"(FUSED_MAX_BLOCK_M = {schedule.FUSED_MAX_BLOCK_M})")
 
 
-def check_who_merges(predictions: Dict[str, str]) -> str:
-    """Compare predictions (``{"A": "last program", ...}``) with :func:`splitkv.schedule.merge_mode`."""
+@checks(solution_who_merges)
+def check_who_merges(predictions) -> str:
+    """Compare predictions (``{"A": "last program", ...}``, or a function returning them) with
+    :func:`splitkv.schedule.merge_mode`."""
+    if callable(predictions):
+        predictions = predictions()
     names = set(MERGER_NAMES.values())
     if set(predictions) != set(MERGE_SHAPES):
         raise AssertionError(f"predict each of {sorted(MERGE_SHAPES)}, got keys {sorted(predictions)}")

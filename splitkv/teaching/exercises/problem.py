@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from . import checks
 from ...testing import make_problem
 
 __all__ = ["solution_kv_bytes", "solution_bytes_in_flight", "check_kv_bytes", "check_bytes_in_flight"]
@@ -51,6 +52,7 @@ def _kv_hint(p, got: int, want: int) -> str:
     return "bytes = prefix tokens x H_kv x (D + Dv) x bytes per element of the pool"
 
 
+@checks(solution_kv_bytes)
 def check_kv_bytes(kv_bytes_fn: Callable, seed: int = 0) -> str:
     """Check a learner's ``kv_bytes(problem)`` on random problems (ragged prefixes, D != Dv, fp8 pools)."""
     rng = random.Random(seed)
@@ -72,6 +74,7 @@ def check_kv_bytes(kv_bytes_fn: Callable, seed: int = 0) -> str:
     return f"passed: kv_bytes is right on {len(shapes)} random problems (ragged, D != Dv, fp8 pool)"
 
 
+@checks(solution_bytes_in_flight)
 def check_bytes_in_flight(fn: Callable, seed: int = 0) -> str:
     """Check a learner's ``bytes_in_flight(kv_bytes, time_us, latency_ns)`` on random and recorded values."""
     rng = random.Random(seed)

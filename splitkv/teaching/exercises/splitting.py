@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import Unsolved, checks, is_stub
 from .. import lessons
 from ...schedule import cdiv
 from ...schedule import slicing as _kernel_slicing
@@ -118,6 +119,7 @@ def _run_step(step_fn, s: torch.Tensor, v: torch.Tensor):
     return m.cpu().double(), l.cpu().double(), acc.cpu().double()
 
 
+@checks(solution_tile_step)
 def check_tile_step(step_fn, seed: int = 0) -> str:
     """Check a learner's ``@triton.jit`` ``tile_step(m_i, l_i, acc, s, v)`` against float64.
 
@@ -129,11 +131,15 @@ def check_tile_step(step_fn, seed: int = 0) -> str:
     Raises:
         AssertionError: naming the first case where the state is wrong.
     """
+    if is_stub(step_fn):
+        raise Unsolved("write tile_step here: replace the todo(...) line by your code")
     ln2 = math.log(2.0)
     cases = _step_cases(seed)
     for desc, hint, s, v in cases:
         try:
             m, l, acc = _run_step(step_fn, s, v)
+        except Unsolved:  # a stub: the exercise waits
+            raise
         except Exception as e:  # a crash is a wrong answer too; say where
             raise AssertionError(f"{desc}: tile_step raised {type(e).__name__}: {e}") from e
         scores = s.transpose(0, 1).reshape(_ROWS, -1).double()  # [rows, all keys], base 2
@@ -198,6 +204,7 @@ def _slicing_hint(P: int, min_split: int, got: Tuple[int, int], want: Tuple[int,
     return _TILES
 
 
+@checks(solution_slicing)
 def check_slicing(slicing_fn: Callable[[int, int, int, int], Tuple[int, int]]) -> str:
     """Check a learner's ``slicing(prefix_len, n_splits, block_n, min_split) -> (split_len, n_used)``.
 
@@ -212,6 +219,8 @@ def check_slicing(slicing_fn: Callable[[int, int, int, int], Tuple[int, int]]) -
         want = _kernel_slicing(P, n, block_n, min_split)
         try:
             got = slicing_fn(P, n, block_n, min_split)
+        except Unsolved:  # a stub: the exercise waits
+            raise
         except Exception as e:
             hint = _ONE if P == 0 else _TILES
             raise AssertionError(f"{case}: slicing raised {type(e).__name__}: {e}. Hint: {hint}") from e
@@ -238,6 +247,7 @@ _LINE = "t = a + b / n is a straight line in x = 1 / n: fit t against x, with a 
 _LSQ = "use every point: least squares over all (1 / n, t), e.g. torch.linalg.lstsq or numpy.polyfit(1 / n, t, 1)"
 
 
+@checks(solution_fit_latency)
 def check_latency_fit(fit_fn: Callable[[torch.Tensor, torch.Tensor], Tuple[float, float]],
                       sweep: Sequence[Tuple[float, float]] = (), seed: int = 0) -> str:
     """Check a learner's ``fit_latency(n, t) -> (a, b)`` (float64 tensors in, two floats out).
@@ -264,6 +274,8 @@ def check_latency_fit(fit_fn: Callable[[torch.Tensor, torch.Tensor], Tuple[float
         want = solution_fit_latency(n, t)
         try:
             got = fit_fn(n.clone(), t.clone())
+        except Unsolved:  # a stub: the exercise waits
+            raise
         except Exception as e:
             raise AssertionError(f"{desc}: fit_latency raised {type(e).__name__}: {e}") from e
         try:
