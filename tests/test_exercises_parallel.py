@@ -42,3 +42,17 @@ def _tokens(m, read_us):
 def test_checker_rejects_wrong_answers(wrong, says):
     with pytest.raises(AssertionError, match=says):
         check_prefix_for_speedup(wrong)
+
+
+def test_an_unwritten_stub_waits_and_hands_on_the_solution(monkeypatch, capsys):
+    # The checker turns a learner's exception into a message, but not the stub's Unsolved: exercise() reports it.
+    from splitkv.teaching.exercises import exercise, todo
+
+    monkeypatch.delenv("SPLITKV_SOLUTIONS", raising=False)
+
+    def prefix_for_speedup(model, world_size, speedup=1.0):
+        todo("prefix_for_speedup")
+
+    assert exercise(prefix_for_speedup, check_prefix_for_speedup) is solution_prefix_for_speedup
+    out = capsys.readouterr().out
+    assert out.startswith("waiting:") and "passed" not in out

@@ -45,3 +45,19 @@ def test_gather_gap_solution_passes():
 def test_gather_gap_checker_rejects_wrong_answers(wrong, says):
     with pytest.raises(AssertionError, match=says):
         check_gather_gap(wrong)
+
+
+@pytest.mark.parametrize("checker, solution", [(check_floor_us, solution_floor_us),
+                                               (check_gather_gap, solution_gather_gap)])
+def test_an_unwritten_stub_waits_and_hands_on_the_solution(monkeypatch, capsys, checker, solution):
+    from splitkv.teaching.exercises import exercise, todo
+
+    monkeypatch.delenv("SPLITKV_SOLUTIONS", raising=False)
+
+    def stub(*args, **kwargs):
+        todo("it")
+
+    assert checker.solution is solution
+    assert exercise(stub, checker) is solution
+    out = capsys.readouterr().out
+    assert out.startswith("waiting:") and "passed" not in out

@@ -73,3 +73,17 @@ def test_planted_kernels_are_wrong_and_the_real_one_right():
         out = p.new_output()
         kernel(p, out)
         assert relative_error(out, ref) > 10 * TOLERANCE[torch.float16], name
+
+
+def test_an_unwritten_stub_waits_and_hands_on_the_solution(monkeypatch, capsys):
+    from splitkv.teaching.exercises import exercise, todo
+
+    monkeypatch.delenv("SPLITKV_SOLUTIONS", raising=False)
+
+    def my_test(kernel):
+        todo("my_test")
+
+    assert check_test.solution is solution_test
+    assert exercise(my_test, check_test) is solution_test
+    out = capsys.readouterr().out
+    assert out.startswith("waiting:") and "passed" not in out

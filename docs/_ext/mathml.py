@@ -9,7 +9,9 @@ browsers render MathML natively. No JavaScript, no network.
 Only notebook pages are touched, and only their text: ``<script>``,
 ``<style>``, ``<pre>``, ``<code>`` and ``<textarea>`` elements (source code and
 printed output) are left alone. A formula that ``latex2mathml`` cannot convert
-stays as TeX in a ``<code>`` element, and the build reports it at INFO level.
+(it raises, or it copies an unknown command, such as a misspelt ``\frac``, into the
+output) stays as TeX in a ``<code>`` element, and the build logs a WARNING:
+``mkdocs build --strict`` then fails instead of shipping raw TeX.
 
 Two gaps of ``latex2mathml`` are filled before converting: inside ``\text{}``
 (and its relatives) TeX's escaped characters ``\_ \% \# \$`` mean the bare
@@ -20,8 +22,9 @@ with the ``&`` markers in it, so they are converted as the equivalent
 table. The browser check (tests/browser/test_site.py) fails on a backslash, a
 stray ``&`` or an ignored line break left in rendered math.
 
-Without ``latex2mathml`` installed the hook does nothing but say so once: the
-notebooks still render, with their math as TeX.
+Without ``latex2mathml`` installed the hook says so once, as a WARNING (a
+strict build fails; a plain ``mkdocs serve`` still renders the notebooks, with
+their math as TeX).
 """
 
 from __future__ import annotations
@@ -76,14 +79,42 @@ def prepare(tex: str) -> str:
     return _ENV.sub(_env, _TEXT_ARG.sub(_text, tex))
 
 
-def _math(tex: str, display: str, where: str) -> str:
+#: A TeX command left in converted MathML: latex2mathml copies commands it does not know.
+_LEFT_COMMAND = re.compile(r"\\[A-Za-z]+")
+
+
+def convert_formula(tex: str, display: str = "inline", where: str = "page") -> str:
+    """MathML for the formula ``tex`` (``display``: ``"inline"`` or ``"block"``).
+
+    A formula latex2mathml cannot convert, or converts with a TeX command left
+    in it, comes back as its TeX in a ``<code class="tex">`` element, and a
+    WARNING names the page (``where``) and the formula: a strict build fails.
+    """
     source = prepare(html.unescape(tex).strip())
+    if _to_mathml is None:
+        _say_missing()
+        return f"<code class=\"tex\">{html.escape(source)}</code>"
     try:
         mathml = _to_mathml(source, display=display)
-    except Exception as err:  # noqa: BLE001 - any failure: keep the TeX visible
-        log.info("%s: could not convert $%s$ to MathML (%s); left as TeX", where, source, err)
-        return f"<code class=\"tex\">{html.escape(source)}</code>"
-    return mathml
+    except Exception as err:  # noqa: BLE001 - any failure: keep the TeX visible, and fail a strict build
+        problem = f"{type(err).__name__} {err}".strip()
+    else:
+        left = _LEFT_COMMAND.search(re.sub(r"<[^>]*>", " ", mathml))
+        if left is None:
+            return mathml
+        problem = f"unknown command {left[0]}"
+    log.warning("%s: could not convert $%s$ to MathML (%s); left as TeX", where, source, problem)
+    return f"<code class=\"tex\">{html.escape(source)}</code>"
+
+
+def _say_missing() -> None:
+    global _warned_missing
+    if not _warned_missing:
+        log.warning("latex2mathml is not installed (pip install -e '.[docs]'): notebook math would be shown as TeX")
+        _warned_missing = True
+
+
+_math = convert_formula
 
 
 def _convert_text(text: str, where: str) -> str:
@@ -140,13 +171,10 @@ def _fix_toc(toc, page_html: str, where: str) -> None:
 
 
 def on_page_content(page_html, page, config, files):
-    global _warned_missing
     if not page.file.src_uri.endswith(".ipynb"):
         return page_html
     if _to_mathml is None:
-        if not _warned_missing:
-            log.info("latex2mathml is not installed: notebook math is shown as TeX")
-            _warned_missing = True
+        _say_missing()
         return page_html
     page_html = convert_html(page_html, page.file.src_uri)
     _fix_toc(page.toc, page_html, page.file.src_uri)

@@ -2,7 +2,7 @@
 
     python notebooks/h200_run/run.py OUT_DIR [NOTEBOOK ...] [--scripts] [--timeout SECONDS]
 
-For each notebook (default: every ``notebooks/NN_*.ipynb``, in order) this writes
+For each notebook (default: every ``notebooks/NN*_*.ipynb``, in order) this writes
 ``OUT_DIR/<name>.log``: each code cell's source and what it printed. With Jupyter
 installed the notebook runs in a kernel (nbclient) and the executed copy is saved as
 ``OUT_DIR/<name>.ipynb``; without it, or with ``--scripts``, its code cells are
@@ -82,11 +82,11 @@ def run_script(nb_path: Path, out: Path, timeout: int) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir", type=Path)
-    ap.add_argument("notebooks", nargs="*", type=Path, help="default: every notebooks/NN_*.ipynb")
+    ap.add_argument("notebooks", nargs="*", type=Path, help="default: every notebooks/NN*_*.ipynb")
     ap.add_argument("--scripts", action="store_true", help="run the code cells as scripts, without Jupyter")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per cell (kernel) or per notebook (script)")
     args = ap.parse_args()
-    paths = [p.resolve() for p in args.notebooks] or sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    paths = [p.resolve() for p in args.notebooks] or sorted(NOTEBOOKS.glob("[0-9][0-9]*_*.ipynb"))
     use_kernel = not args.scripts
     if use_kernel:
         try:

@@ -75,6 +75,7 @@ NOTEBOOKS = [
     "04_one_launch",
     "05_parity",
     "06_performance",
+    "06b_knobs",
     "07_context_parallel",
 ]
 

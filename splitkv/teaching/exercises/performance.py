@@ -21,6 +21,8 @@ from typing import Callable, List, Optional, Tuple
 from splitkv.testing import MODEL_SHAPES
 from splitkv.testing.problem import HeadShape
 
+from . import checks
+
 __all__ = ["solution_floor_us", "solution_gather_gap", "check_floor_us", "check_gather_gap", "recorded_rows"]
 
 
@@ -68,6 +70,7 @@ def _random_shape(rng: random.Random) -> HeadShape:
     return HeadShape("random", kv * rng.choice([1, 2, 4, 8]), kv, rng.choice([64, 96, 128, 256]))
 
 
+@checks(solution_floor_us)
 def check_floor_us(fn: Callable[..., float]) -> str:
     """Check ``fn(shape, batch, prefix, bandwidth, kv_bytes=2)``: the floor in µs, on recorded and random shapes."""
     rng = random.Random()
@@ -97,6 +100,7 @@ def _random_row(rng: random.Random) -> dict:
     return {"gather_floor_us": gather, "floor_us": gather * rng.uniform(0.5, 0.99), "impls": {"splitkv": splitkv}}
 
 
+@checks(solution_gather_gap)
 def check_gather_gap(fn: Callable[[dict], Tuple[float, float]]) -> str:
     """Check ``fn(row) -> (ratio, excess_us)`` on every recorded row and on random rows."""
     rng = random.Random()
