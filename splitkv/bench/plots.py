@@ -11,6 +11,10 @@
 
 Both read old result files too (without the gather floor, fp8 rows or the
 batch-invariant implementation).
+
+:func:`plot_peers` draws ``peers_<tag>.png`` from a
+:mod:`splitkv.bench.peers_sweep` result: each peer's time over splitkv's per
+row (CUDA-graph replays), one panel per model.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import os
 from typing import List, Optional
 
-__all__ = ["plot_benchmark", "IMPL_STYLE"]
+__all__ = ["plot_benchmark", "plot_peers", "IMPL_STYLE", "PEER_STYLE"]
 
 #: Colour and label of each implementation, shared by every figure.
 IMPL_STYLE = {
@@ -148,3 +152,62 @@ def plot_benchmark(result: dict, folder: str = "figures", tag: str = "h200") -> 
     _roofline(result, rows, fp8_rows, paths[0])
     _speedup(result, rows, paths[1])
     return paths
+
+
+#: Colour and label of each implementation of the peers sweep (:mod:`splitkv.bench.peers_sweep`).
+PEER_STYLE = {
+    "splitkv_paged": ("tab:purple", "splitkv on the same pages"),
+    "sglang_extend": ("tab:gray", "SGLang extend_attention_fwd"),
+    "flashinfer_fa2": ("tab:blue", "FlashInfer paged prefill, fa2"),
+    "flashinfer_fa3": ("tab:cyan", "FlashInfer paged prefill, fa3"),
+    "flashinfer_xqa": ("tab:green", "FlashInfer xqa (speculative)"),
+    "flashinfer_mla": ("tab:olive", "FlashInfer MLA"),
+}
+
+
+def plot_peers(result: dict, path: str) -> str:
+    """Each implementation's graph time ÷ splitkv's per row, one panel per model; a peer without a time at a row
+    (skipped, refused, failed) gets a cross. Returns ``path``."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    rows = result["rows"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    names = [n for n in PEER_STYLE if any(n in r["impls"] for r in rows)]
+    fig = Figure(figsize=(max(9, 0.45 * max([1] + [sum(r["model"] == m for r in rows) for m in models])),
+                          1.2 + 2.6 * max(1, len(models))), layout="constrained")
+    axes = fig.subplots(max(1, len(models)), 1, squeeze=False)[:, 0]
+    for ax, model in zip(axes, models):
+        mrows = [r for r in rows if r["model"] == model]
+        present = [n for n in names if any(n in r["impls"] for r in mrows)]
+        width = 0.84 / max(1, len(present))
+        for i, name in enumerate(present):
+            color = PEER_STYLE[name][0]
+            for j, r in enumerate(mrows):
+                rec = r["impls"].get(name)
+                if rec is None:
+                    continue
+                x = j + (i - (len(present) - 1) / 2) * width
+                if rec.get("over_splitkv"):
+                    ax.bar(x, rec["over_splitkv"], width, color=color)
+                else:
+                    ax.plot([x], [1.0], marker="X", ms=6, color=color, mec="black", mew=0.6, ls="none")
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(mrows)))
+        ax.set_xticklabels([(f"h{r['heads']} " if r.get("model") == "deepseek-v3" else "")
+                            + f"bs{r['batch']} {r['prefix'] // 1024}k\n{r.get('case', '')}" for r in mrows],
+                           fontsize=6, rotation=90)
+        ax.set_xlim(-0.6, len(mrows) - 0.4)
+        ax.set_ylabel("time ÷ splitkv's", fontsize=8)
+        ax.tick_params(axis="y", labelsize=7)
+        ax.set_title(model, fontsize=9, loc="left")
+        ax.grid(True, axis="y", which="major", alpha=0.3)
+    handles = [Line2D([], [], color=PEER_STYLE[n][0], lw=6, label=PEER_STYLE[n][1]) for n in names]
+    handles.append(Line2D([], [], marker="X", color="white", mfc="lightgray", mec="black", ms=7,
+                          label="no time (skipped, refused or failed)"))
+    fig.suptitle(f"Verify attention beside serving engines' kernels: time ÷ splitkv's (CUDA-graph replays; "
+                 f"above 1: splitkv is faster), {result['device']}, {result['date']}", fontsize=9)
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(4, len(handles)), fontsize=7, frameon=False)
+    fig.savefig(path, dpi=120)
+    return path

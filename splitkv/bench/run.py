@@ -496,6 +496,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="time host rounds on whatever CPU the thread runs on (default: pinned to the fastest CPU "
                          "at the time; see splitkv.bench.timing)")
     ap.add_argument("--no-gather-floor", action="store_true", help="skip the gather-floor search")
+    ap.add_argument("--peers", default=None, metavar="LIST",
+                    help="instead: splitkv beside serving engines' kernels (FlashInfer, SGLang's extend kernel), "
+                         "e.g. --peers flashinfer,sglang [--quick]; its own options: python -m splitkv.bench "
+                         "--peers all --help (see splitkv.bench.peers_sweep)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="no timing (no GPU needed): write one result from the result files of a run made in "
                          "parts (for instance one per --models), in the order given, with its tables and plots "
@@ -590,6 +594,11 @@ def _merge_main(args) -> None:
 
 def main(argv=None):
     """The ``python -m splitkv.bench`` command line."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--peers" or a.startswith("--peers=") for a in argv):  # the peers sweep has its own options
+        from .peers_sweep import main as peers_main
+
+        return peers_main(argv, prog="python -m splitkv.bench")
     args = _parser().parse_args(argv)  # --help works anywhere
     if args.merge:
         return _merge_main(args)
