@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -93,16 +93,12 @@ def describe(code: int) -> str:
     return what if field in _NO_SEQUENCE else f"sequence {code // 16}: {what}"
 
 
-class _Launch(NamedTuple):
-    """Who holds a slot: the launch's number on its device, its thread, whether a graph captured it."""
-
-    number: int
-    thread: int
-    captured: bool
-
-    def __str__(self) -> str:
-        how = "captured into a CUDA graph" if self.captured else "eager"
-        return f"launch #{self.number} ({how}, thread {self.thread})"
+def _launch_name(owner) -> str:
+    """A slot's owner ``(number, thread, captured)`` in words."""
+    if owner is None:
+        return "an unknown launch"
+    number, thread, captured = owner
+    return f"launch #{number} ({'captured into a CUDA graph' if captured else 'eager'}, thread {thread})"
 
 
 class FaultLog:
@@ -116,7 +112,8 @@ class FaultLog:
         self.words = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._view = self.words.numpy()
         self._base = self.words.data_ptr()
-        self._owners: List[Optional[_Launch]] = [None] * size
+        #: per slot, its launch: ``(number on the device, thread, captured)``
+        self._owners: List[Optional[tuple]] = [None] * size
         self._numbers = itertools.count(1)  # next() is atomic under the GIL: no lock on the call path
         self._lock = threading.Lock()  # captured slots, and the read-and-clear of reports
         self._next_captured = 1 + EAGER_SLOTS
@@ -129,7 +126,7 @@ class FaultLog:
     def take_slot(self, captured: bool) -> int:
         """A slot for one launch, recorded as this thread's (``captured``: for every replay of a graph)."""
         number = next(self._numbers)
-        owner = _Launch(number, threading.get_ident(), captured)
+        owner = (number, threading.get_ident(), captured)
         if captured:
             with self._lock:
                 slot = min(self._next_captured, len(self._owners) - 1)
@@ -156,7 +153,7 @@ class FaultLog:
             found, left = [], False
             for slot in np.flatnonzero(self._view[1:]) + 1:
                 owner = self._owners[slot]
-                if everyone or owner is None or owner.captured or owner.thread == me:
+                if everyone or owner is None or owner[2] or owner[1] == me:
                     found.append((owner, int(self._view[slot])))
                     self._view[slot] = 0
                 else:
@@ -164,7 +161,7 @@ class FaultLog:
             if left:  # another thread's reports: keep the flag up for its next call
                 self._view[0] = 1
         if found:
-            lines = [f"{describe(code)} (from {owner or 'an unknown launch'})" for owner, code in found]
+            lines = [f"{describe(code)} (from {_launch_name(owner)})" for owner, code in found]
             raise VerifyError(f"splitkv verify kernel on {self.device}: " + "; ".join(lines))
 
 

@@ -88,7 +88,7 @@ def _tile_reason(dims: Dims, opts: VerifyOptions, q, k_buffer, v_buffer, kv_len:
                      kv_shared=bool(rope_dim(dims.head_dim, dims.v_head_dim)) and shares_rows(k_buffer, v_buffer),
                      window=opts.window, split_tokens=opts.split_tokens, max_prefix_len=opts.max_prefix_len)
     try:
-        plan_tile(p, device_facts(q.device), tuning, p.prefix(kv_len))
+        plan_tile(p, device_facts(q.device), tuning.table_for(q.device), p.prefix(kv_len))
     except ValueError as err:
         return str(err)
     return None

@@ -36,7 +36,6 @@ dynamic shapes makes when a size first changes.
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 from typing import Tuple
 
@@ -49,6 +48,8 @@ from .options import METADATA, TENSORS, VerifyOptions, option_types
 __all__ = ["verify_attention_op", "merge_states_op", "VERIFY_SCHEMA"]
 
 Tensor = torch.Tensor
+
+_REQUIRED = object()
 
 #: The schema's type of each kind of option (``check`` is a bool in a compiled graph: see the module docstring).
 _SCHEMA_TYPES = {int: "int", float: "float", bool: "bool"}
@@ -73,10 +74,10 @@ def _verify_schema() -> str:
     tensors += [f"Tensor? {name}=None" for name in METADATA]
     types = option_types()
     keywords = []
-    for field in dataclasses.fields(VerifyOptions):
-        default = True if field.name == "check" else field.default
-        written = "" if default is dataclasses.MISSING else f"={default}"
-        keywords.append(f"{_schema_type(field.name, types[field.name])} {field.name}{written}")
+    for name in VerifyOptions._fields:
+        default = True if name == "check" else VerifyOptions._field_defaults.get(name, _REQUIRED)
+        written = "" if default is _REQUIRED else f"={default}"
+        keywords.append(f"{_schema_type(name, types[name])} {name}{written}")
     return f"({', '.join(tensors)}, *, {', '.join(keywords)}) -> (Tensor, Tensor)"
 
 

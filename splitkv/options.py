@@ -5,7 +5,7 @@ Every entry (the drop-in :func:`splitkv.verify_splitkv_fwd`,
 context-parallel entries) takes the same options, by the same names. They
 are declared here, once:
 
-* :class:`VerifyOptions` -- the call's Python scalars (a frozen dataclass:
+* :class:`VerifyOptions` -- the call's Python scalars (an immutable record,
   hashable, so it is part of the plan caches' keys);
 * :data:`METADATA` -- the optional metadata tensors, named as
   ``extend_attention_fwd`` names them (a step's tensors, bound to a plan);
@@ -17,13 +17,11 @@ page are derived from these declarations.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 import os
 import typing
-from dataclasses import dataclass
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 __all__ = ["VerifyOptions", "METADATA", "TENSORS", "split_options", "option_names", "check_from_env",
            "CHECK_ENV", "CHECK_MODES"]
@@ -47,9 +45,13 @@ _CHECK_WORDS = {"": False, "0": False, "false": False, "off": False, "no": False
                 "1": True, "true": True, "on": True, "yes": True, "full": "full"}
 
 
-@dataclass(frozen=True, slots=True)
-class VerifyOptions:
-    """The Python scalars of a verify call.
+class VerifyOptions(NamedTuple):
+    """The Python scalars of a verify call: an immutable record, read by name.
+
+    A named tuple rather than a frozen dataclass because every eager call builds one: on the
+    CPU here it is made and hashed in a tenth of a frozen dataclass's time. Build it with
+    :meth:`make`, which checks the types that an equal value of another type would hide in a
+    cache key (``1 == True``); :meth:`problem` checks the rest, once per new key.
 
     Attributes:
         max_len_extend: most draft tokens of any sequence (in ``[1, 64]`` for the split path).
@@ -89,15 +91,22 @@ class VerifyOptions:
     check: Union[bool, str] = True
     return_lse: bool = False
 
-    def __post_init__(self):
-        # Types that an equal value of another type would hide in a cache key (1 == True) are checked on
-        # every call; the rest, once per new key (:meth:`problem`).
-        if type(self.is_causal) is not bool:
-            raise TypeError(f"is_causal must be a bool, got {type(self.is_causal).__name__}")
-        if not (self.check is True or self.check is False or self.check == "full"):
-            raise TypeError(f"check must be one of {CHECK_MODES}, got {self.check!r}")
-        if isinstance(self.max_len_extend, bool) or not isinstance(self.max_len_extend, numbers.Integral):
-            raise TypeError(f"max_len_extend must be an int, got {type(self.max_len_extend).__name__}")
+    @classmethod
+    def make(cls, *args, **kwargs) -> "VerifyOptions":
+        """The options, with the types an equal value of another type would hide in a cache key checked.
+
+        Raises:
+            TypeError: for an unknown option, or an ``is_causal``, ``check`` or ``max_len_extend`` of the
+                wrong type.
+        """
+        opts = cls(*args, **kwargs)
+        if type(opts.is_causal) is not bool:
+            raise TypeError(f"is_causal must be a bool, got {type(opts.is_causal).__name__}")
+        if not (opts.check is True or opts.check is False or opts.check == "full"):
+            raise TypeError(f"check must be one of {CHECK_MODES}, got {opts.check!r}")
+        if isinstance(opts.max_len_extend, bool) or not isinstance(opts.max_len_extend, numbers.Integral):
+            raise TypeError(f"max_len_extend must be an int, got {type(opts.max_len_extend).__name__}")
+        return opts
 
     def scale_problem(self) -> Optional[str]:
         """Why the split path cannot take these scales (it needs Python numbers), or ``None``."""
@@ -166,7 +175,7 @@ def _batch_invariant_problem(split_tokens, max_prefix_len) -> Optional[str]:
 
 
 #: The option names, in declaration order.
-OPTION_NAMES: Tuple[str, ...] = tuple(f.name for f in dataclasses.fields(VerifyOptions))
+OPTION_NAMES: Tuple[str, ...] = VerifyOptions._fields
 
 
 def option_names() -> Tuple[str, ...]:
@@ -186,7 +195,7 @@ def split_options(options: Dict[str, object]) -> Tuple[VerifyOptions, Dict[str, 
         TypeError: for a keyword that is neither an option nor a metadata tensor.
     """
     meta = {name: options.pop(name, None) for name in METADATA}
-    return VerifyOptions(**options), meta
+    return VerifyOptions.make(**options), meta
 
 
 def check_from_env() -> Union[bool, str]:

@@ -125,6 +125,8 @@ class VerifySplitKV:
         self.device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
         #: what the schedule knows of the device (:class:`splitkv.schedule.DeviceFacts`)
         self.facts = device_facts(self.device, num_sms)
+        #: the device's tuned table (:func:`splitkv.tuning.table_for`: its own, a user's, or derived)
+        self.table = tuning.table_for(self.device)
         self.num_sms = self.facts.num_sms
         self.pack_gqa = pack_gqa
         self.config_override, self.fixed_n_splits = config, n_splits
@@ -182,7 +184,7 @@ class VerifySplitKV:
             ValueError: when no tile fits (the gate declines such calls first).
         """
         p = self.params(batch_size, kv_dtype, q_dtype, page_size, kv_shared)
-        return plan_tile(p, self.facts, tuning, prefix_len).config
+        return plan_tile(p, self.facts, self.table, prefix_len).config
 
     def n_splits(self, batch_size: int, prefix_len: int, kv_dtype: torch.dtype = torch.bfloat16,
                  small: Optional[bool] = None, page_size: int = 1, block_n: Optional[int] = None) -> int:
@@ -190,13 +192,13 @@ class VerifySplitKV:
         (:func:`splitkv.schedule.count_splits`). ``small`` and ``block_n`` override the tile's
         small-launch choice and key tile (default: as :meth:`config` decides)."""
         p = self.params(batch_size, kv_dtype, page_size=page_size)
-        tile = plan_tile(p, self.facts, tuning, prefix_len)
+        tile = plan_tile(p, self.facts, self.table, prefix_len)
         if small is not None or block_n is not None:
             cfg = tile.config
             tile = dataclasses.replace(
                 tile, config=TileConfig(cfg.block_m, block_n or cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.k_rows),
                 small=tile.small if small is None else small)
-        return count_splits(p, tile, self.facts, tuning, prefix_len)
+        return count_splits(p, tile, self.facts, self.table, prefix_len)
 
     def plan(self, q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, *,
              attend_draft: bool = True, **options) -> "VerifyPlan":
@@ -338,7 +340,7 @@ class VerifyPlan:
         self._hold_layer(q_extend, k_extend, v_extend, k_buffer, v_buffer)
         self.params = r.params(self.batch_size, k_buffer.dtype, q_extend.dtype, self.page_size, self.kv_shared,
                                self.window)
-        self.tile = plan_tile(self.params, r.facts, tuning, self.params.prefix(kv_indices.shape[0]))
+        self.tile = plan_tile(self.params, r.facts, r.table, self.params.prefix(kv_indices.shape[0]))
         self.config = self.tile.config
         sm_scale = 1.0 / math.sqrt(r.head_dim) if opts.sm_scale is None else opts.sm_scale
         scales = (float(sm_scale) * float(opts.k_scale) * LOG2E, float(sm_scale) * LOG2E,
@@ -359,6 +361,7 @@ class VerifyPlan:
         self._splits: Dict[Tuple[int, bool], SplitPlan] = {}
         self._variants: Dict[tuple, Tuple[Launcher, Optional[Launcher]]] = {}
         self.step: Optional[Step] = None
+        self._sized = None  # the last lengths bound and what they launch (a memo)
         self.rebind(qo_indptr, kv_indptr, kv_indices, **meta)
 
     def _hold_layer(self, q_extend, k_extend, v_extend, k_buffer, v_buffer) -> None:
@@ -443,8 +446,20 @@ class VerifyPlan:
         """:meth:`bind` for metadata by name (``check``: the tensors' devices and dtypes too; the entries'
         cache keys hold them already)."""
         m, ptrs, dtypes = self._metadata(qo_indptr, kv_indptr, kv_indices, meta, check)
-        kv_len = kv_indices.shape[0]
-        n = count_splits(self.params, self.tile, self.runner.facts, tuning, self.params.prefix(kv_len))
+        mask = meta["custom_mask"]
+        lengths = (kv_indices.shape[0], mask.numel() if mask is not None else 0)
+        sized = self._sized
+        if sized is None or sized[0] != lengths:  # the lengths changed: the split count may have
+            sized = self._sized = (lengths, self._size(*lengths))
+        split, tail, spec, merge_scalars, launch, merge = sized[1]
+        self._last = split  # introspection only: what the step bound last launches
+        return Step(split, lengths[0], m, ptrs, (self._layer[6:], dtypes, alignment_bits(ptrs)), tail, spec,
+                    merge_scalars, launch, merge)
+
+    def _size(self, kv_len: int, mask_len: int) -> tuple:
+        """What a step of these lengths launches: ``(split plan, scalars, their specialisation, the second
+        merge's scalars, launchers)`` (:meth:`_bind` keeps the last, as steps' lengths repeat)."""
+        n = count_splits(self.params, self.tile, self.runner.facts, self.runner.table, self.params.prefix(kv_len))
         reason = launch_limit_reason(self.tile.tiles, n, kv_len * self.page_size)
         if reason is not None:
             raise LaunchLimitError(reason)
@@ -452,15 +467,11 @@ class VerifyPlan:
         ws = self.runner._workspace
         if ws is not None and split.scratch_bytes > 4 * ws.partials.numel():
             raise ValueError("the workspace is too small for this call's slices")
-        mask = meta["custom_mask"]
-        mask_len = mask.numel() if mask is not None else 0
-        (scales, sizes, rest) = self._fixed_scalars
+        scales, sizes, rest = self._fixed_scalars
         tail = scales + sizes + (kv_len, mask_len, n) + rest + self._strides
         spec = (self._fixed_spec, _specialization((kv_len, mask_len, n)), split.lse_offset < 2**31)
-        launch, merge = self._launchers_for(split)
-        self._last = split  # introspection only: what the step bound last launches
-        return Step(split, kv_len, m, ptrs, (self._layer[6:], dtypes, alignment_bits(ptrs)), tail, spec,
-                    (self.num_tokens, kv_len, n, self.tile.min_split, self.window or 0), launch, merge)
+        merge_scalars = (self.num_tokens, kv_len, n, self.tile.min_split, self.window or 0)
+        return (split, tail, spec, merge_scalars, *self._launchers_for(split))
 
     def _metadata(self, qo_indptr, kv_indptr, kv_indices, meta: dict, check: bool):
         """The kernel's eight metadata tensors (placeholders, never read, for absent ones), their
@@ -476,7 +487,9 @@ class VerifyPlan:
             offsets if use_mask and offsets is not None else kv_indptr,
             sinks if sinks is not None else qo_indptr,
         )
-        if check and tuple(t.get_device() for t in m) != (self._dev_index,) * 8:
+        if check and (m[0].get_device(), m[1].get_device(), m[2].get_device(), m[3].get_device(),
+                      m[4].get_device(), m[5].get_device(), m[6].get_device(),
+                      m[7].get_device()) != (self._dev_index,) * 8:
             raise ValueError(f"metadata tensors must be on the plan's device, {self.device}")
         # A placeholder's address is its tensor's, taken once: every data_ptr() call costs host time.
         p_qo, p_kvp = m[0].data_ptr(), m[1].data_ptr()
@@ -486,7 +499,8 @@ class VerifyPlan:
                 m[5].data_ptr() if use_mask else p_kvp,
                 m[6].data_ptr() if use_mask and offsets is not None else p_kvp,
                 m[7].data_ptr() if sinks is not None else p_qo)
-        return m, ptrs, tuple(t.dtype for t in m)
+        return m, ptrs, (m[0].dtype, m[1].dtype, m[2].dtype, m[3].dtype, m[4].dtype, m[5].dtype, m[6].dtype,
+                         m[7].dtype)
 
     def _split(self, n_splits: int, separate: bool = False) -> SplitPlan:
         """The split plan for ``n_splits`` slices (``separate``: merged in a second launch); a variant of
@@ -682,6 +696,7 @@ class VerifyPlan:
         """Record that ``split``'s merge-program variant spills: its split plans merge in a second launch."""
         self.spilling.add(_variant(split))
         self._splits = {k: v for k, v in self._splits.items() if _variant(v) not in self.spilling}
+        self._sized = None
 
     def _scratch(self, step: Step, stream: Optional[int], key: tuple):
         """This run's ``(partials, address, counters, address, raw block to free)``; ``None`` (nothing

@@ -110,14 +110,14 @@ def block_m_for(rows: int) -> int:
 
 
 def tile_config(head_dim: int, v_head_dim: int, rows: int, interpret: bool = False,
-                kv_bytes: int = 2, page_size: int = 1, block_m: Optional[int] = None) -> TileConfig:
-    """Block sizes for a head configuration, from the H200 sweep.
+                kv_bytes: int = 2, page_size: int = 1, block_m: Optional[int] = None, table=None) -> TileConfig:
+    """Block sizes for a head configuration, from a tuned table.
 
-    The table :data:`splitkv.tuning.TUNED` (``python -m splitkv.bench.tune``) holds
+    A table (:class:`splitkv.tuning.TunedTable`, ``python -m splitkv.bench.tune``) holds
     the fastest ``(BLOCK_N, warps, stages)`` measured per (head dim, rows per
     tile, pool element size), and per page size for paged pools; a
     configuration it does not list takes the nearest measured one by head dim
-    and rows; the K layout follows :func:`splitkv.tuning.k_rows`.
+    and rows; the K layout follows :meth:`~splitkv.tuning.TunedTable.k_rows`.
 
     Args:
         head_dim: query/key head dimension.
@@ -127,16 +127,18 @@ def tile_config(head_dim: int, v_head_dim: int, rows: int, interpret: bool = Fal
         kv_bytes: bytes per pool element (2 for 16-bit pools, 1 for fp8).
         page_size: keys per page of a paged pool (1: a token pool).
         block_m: the tile's rows, if not :func:`block_m_for` ``(rows)`` (see :func:`launch_block_m`).
+        table: the device's tuned table (default: the H200's, :func:`splitkv.tuning.table_for`).
 
     Returns:
         The :class:`TileConfig`.
     """
-    from .tuning import tuned_tile
+    from .tuning import table_for
 
     block_m = block_m or block_m_for(rows)
     if interpret:
         return TileConfig(block_m, 16, 4, 1)
-    return TileConfig(block_m, *tuned_tile(max(head_dim, v_head_dim), block_m, kv_bytes, page_size))
+    table = table_for(None) if table is None else table
+    return TileConfig(block_m, *table.tile(max(head_dim, v_head_dim), block_m, kv_bytes, page_size))
 
 
 #: Fewest query rows a tile is cut to (a tensor-core dot's height).
@@ -732,7 +734,8 @@ def launch_rows(p: VerifyParams, facts: DeviceFacts) -> int:
 
 def plan_tile(p: VerifyParams, facts: DeviceFacts, table, prefix: int = 0) -> TilePlan:
     """The tile for ``p`` on a device, for sequences of about ``prefix`` keys: the tuned tile
-    (``table``: :mod:`splitkv.tuning`), or the small-launch tile where it was measured faster, shrunk
+    (``table``: the device's :class:`splitkv.tuning.TunedTable`), or the small-launch tile where it was
+    measured faster, shrunk
     where it would not fit the device's shared memory (:func:`splitkv.resources.fit_tile`).
 
     Raises:

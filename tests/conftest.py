@@ -38,7 +38,7 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.fixture(autouse=True)
 def _no_fault_left_pending():
     """Each test consumes the faults its checked calls store: on a GPU a checked kernel reports through the
-    device's error word after the call has returned, and a fault left there would be raised by the next
+    device's fault log after the call has returned, and a fault left there would be raised by the next
     test's first checked call instead."""
     yield
     try:

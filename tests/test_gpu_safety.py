@@ -1,5 +1,5 @@
 """GPU-only safety checks: PDL ordering, bounded waits, streams, threads, Inductor, MLA shapes,
-and the error word written from the device.
+and the fault log written from the device.
 
 Skipped without CUDA. Run on the H200 with ``pytest -m gpu``.
 """

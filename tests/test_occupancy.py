@@ -26,7 +26,7 @@ from conftest import (
 )
 from splitkv import VerifySplitKV
 from splitkv import workspace
-from splitkv.schedule import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE
+from splitkv.schedule import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE, block_m_for
 from splitkv.teaching.occupancy import (
     cdiv,
     extend_programs,
@@ -456,20 +456,29 @@ def test_fixed_slices_with_a_workspace():
     assert plan.n_splits == cdiv(bound, 128)
 
 
-def test_gpu_launch_is_what_the_runner_launches_on_a_gpu(monkeypatch):
-    """The notebooks' any-machine view of a GPU launch agrees with the runner under GPU rules."""
-    import splitkv.plan as plan_mod
+def _h200_runner(s, max_bs, table=None):
+    """A runner for head shape ``s`` that plans as on an H200 (132 SMs, its shared memory and table)
+    wherever the test runs: the schedule's facts and table are the runner's to hold."""
     from splitkv import VerifySplitKV, tuning
+    from splitkv.resources import H200_SHARED_MEMORY
+    from splitkv.schedule import DeviceFacts
+
+    r = VerifySplitKV(s.num_q_heads, s.num_kv_heads, s.head_dim, s.head_dim, 4, max_bs, DEVICE, num_sms=132)
+    r.facts = DeviceFacts(132, H200_SHARED_MEMORY, False)
+    r.table = tuning.table_named(tuning.DEFAULT_DEVICE) if table is None else table
+    return r
+
+
+def test_gpu_launch_is_what_the_runner_launches_on_a_gpu():
+    """The notebooks' any-machine view of a GPU launch agrees with the runner under GPU rules."""
     from splitkv.testing import MODEL_SHAPES
 
-    monkeypatch.setattr(plan_mod, "interpreting", lambda: False)
-    monkeypatch.setattr(plan_mod, "min_split_tokens", lambda: tuning.TUNED["min_split_tokens"])
     for s in MODEL_SHAPES.values():
         for bs, prefix in ((1, 4096), (8, 16384), (32, 65536)):
             for page_size in (1, 16, 64):
                 g = gpu_launch(s.num_q_heads, s.num_kv_heads, s.head_dim, bs, prefix, num_sms=132,
                                page_size=page_size)
-                r = VerifySplitKV(s.num_q_heads, s.num_kv_heads, s.head_dim, s.head_dim, 4, bs, DEVICE, num_sms=132)
+                r = _h200_runner(s, bs)
                 assert r.config(torch.bfloat16, bs, prefix, page_size) == g.cfg
                 assert r.head_tiles == g.head_tiles
                 assert r.n_splits(bs, prefix, page_size=page_size) == g.n_splits
@@ -494,30 +503,28 @@ def test_paged_pools_take_the_paged_sweeps_tile():
                 row["block_n"], row["num_warps"], row["num_stages"], row["k_rows"], row["programs_per_sm"])
 
 
-def test_small_launches_take_one_wave(monkeypatch):
+def test_small_launches_take_one_wave():
     """With a small-batch tile in the table, batch 1 of an 8-KV-head model gets num_sms // tiles slices
     and that tile (runner and mirror alike); batch 8, and prefixes past SMALL_BATCH_MAX_PREFIX, keep
     the usual schedule."""
-    import splitkv.plan as plan_mod
-    from splitkv import VerifySplitKV, tuning
+    from splitkv import tuning
     from splitkv.testing import MODEL_SHAPES
 
-    monkeypatch.setattr(plan_mod, "interpreting", lambda: False)
-    monkeypatch.setattr(plan_mod, "min_split_tokens", lambda: tuning.TUNED["min_split_tokens"])
     s = MODEL_SHAPES["llama3-8b"]
-    r = VerifySplitKV(s.num_q_heads, s.num_kv_heads, s.head_dim, s.head_dim, 4, 8, DEVICE, num_sms=132)
-    key = (s.head_dim, r.block_m, 2)
-    monkeypatch.setitem(tuning.TUNED["small_batch_tiles"], key, dict(block_n=64, num_warps=4, num_stages=3))
+    key = (s.head_dim, block_m_for(s.num_q_heads // s.num_kv_heads * 4), 2)
+    table = tuning.table_named(tuning.DEFAULT_DEVICE).replace(
+        small_batch_tiles={key: dict(block_n=64, num_warps=4, num_stages=3)})
+    r = _h200_runner(s, 8, table)
     longest = tuning.SMALL_BATCH_MAX_PREFIX
     for bs, prefix, small in ((1, 4096, True), (2, longest, True), (1, 256, True), (8, 4096, False),
                               (1, longest + 1, False), (2, 65536, False)):
-        g = gpu_launch(s.num_q_heads, s.num_kv_heads, s.head_dim, bs, prefix, num_sms=132)
+        g = gpu_launch(s.num_q_heads, s.num_kv_heads, s.head_dim, bs, prefix, num_sms=132, table=table)
         cfg = r.config(torch.bfloat16, bs, prefix)
         assert cfg == g.cfg and r.n_splits(bs, prefix) == g.n_splits
         tiles = bs * r.head_tiles
         if small:
             assert (cfg.block_n, cfg.num_stages) == (64, 3)
-            assert g.n_splits == min(132 // tiles, cdiv(prefix, tuning.TUNED["min_split_tokens"]))
+            assert g.n_splits == min(132 // tiles, cdiv(prefix, table.min_split_tokens()))
         else:
             assert (cfg.block_n, cfg.num_stages) != (64, 3)
             assert tiles * tuning.SMALL_BATCH_SMS_PER_TILE > 132 or prefix > longest

@@ -2,7 +2,7 @@
 
 No compiling here: the model is checked against ``splitkv/shared_memory_sm90.json``
 (kernels compiled for sm_90 by ``python -m splitkv.bench.record_resources``) and against
-the compiled kernels' shared memory that the H200 sweep recorded in ``tuned_h200.json``.
+the compiled kernels' shared memory that the H200 sweep recorded in ``tables/nvidia_h200.json``.
 """
 
 import json

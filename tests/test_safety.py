@@ -39,7 +39,7 @@ def _runner(p, **kw):
 
 @pytest.fixture(autouse=True)
 def _no_stale_faults():
-    """Each test starts and ends with no pending fault in the error word."""
+    """Each test starts and ends with no pending fault in the fault log."""
     try:
         check_device_errors(DEVICE)
     except VerifyError:

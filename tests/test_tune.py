@@ -1,11 +1,13 @@
-"""The sweep's table (``splitkv/tuned_h200.json``) and how ``python -m splitkv.bench.tune`` updates it.
+"""The H200's table (``splitkv/tables/nvidia_h200.json``) and how ``python -m splitkv.bench.tune`` updates tables.
 
 The sweep itself needs a GPU; here its table-keeping is checked with a
 stand-in sweep, and the committed table against the models it must cover.
+Where tables are read and written, and untuned GPUs: ``tests/test_tuning_tables.py``.
 """
 
 import json
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -122,39 +124,99 @@ def test_paged_only_replaces_one_pool_dtypes_paged_rows(tmp_path, monkeypatch):
         assert new[key] == table[key]
 
 
-def test_the_sweep_writes_a_new_file_unless_told_to_replace():
-    """By default ``tuned_<gpu>.json`` in the working directory; the package's table only with --replace."""
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    """An empty user table directory, tables read afresh."""
+    monkeypatch.setenv(tuning.TUNED_DIR_ENV, str(tmp_path / "user"))
+    tuning.clear_cache()
+    yield tmp_path / "user"
+    tuning.clear_cache()
+
+
+def test_the_sweep_writes_the_user_table_never_the_packages(user_dir):
+    """By default ``<user dir>/<normalised name>.json`` (``--replace`` too, now); ``--out`` elsewhere."""
     parse = tune._parser().parse_args
-    assert tune.out_path(parse([]), "NVIDIA A100-SXM4-80GB") == "tuned_a100.json"
-    assert tune.out_path(parse([]), "NVIDIA H200") == "tuned_h200.json" != tuning.TABLE_PATH
+    assert tune.out_path(parse([]), "NVIDIA A100-SXM4-80GB") == str(user_dir / "nvidia_a100_sxm4_80gb.json")
+    assert tune.out_path(parse([]), "NVIDIA H200") == str(user_dir / "nvidia_h200.json") != tuning.TABLE_PATH
     assert tune.out_path(parse(["--out", "t.json"]), "NVIDIA H200") == "t.json"
-    assert tune.out_path(parse(["--replace", "--small-batch"]), "NVIDIA H200") == tuning.TABLE_PATH
+    assert tune.out_path(parse(["--replace", "--small-batch"]), "NVIDIA H200") == str(user_dir / "nvidia_h200.json")
     with pytest.raises(SystemExit):
         parse(["--out", "t.json", "--replace"])
 
 
-def test_a_partial_sweep_updates_the_output_file_or_the_packages_table(tmp_path):
-    assert tune.base_path(str(tmp_path / "new.json")) == tuning.TABLE_PATH
-    existing = tmp_path / "tuned_a100.json"
+def test_a_partial_sweep_updates_the_output_file_or_the_table_the_gpu_reads(tmp_path, user_dir):
+    """The output file when it exists; else the GPU's own table (user directory first); else the H200's."""
+    assert tune.base_path(str(tmp_path / "new.json"), "NVIDIA A100-SXM4-80GB") == tuning.TABLE_PATH
+    assert tune.base_path(str(tmp_path / "new.json"), "NVIDIA H200") == tuning.TABLE_PATH
+    existing = tmp_path / "mine.json"
     existing.write_text("{}")
-    assert tune.base_path(str(existing)) == str(existing)
+    assert tune.base_path(str(existing), "NVIDIA A100-SXM4-80GB") == str(existing)
+    user_dir.mkdir()
+    (user_dir / "nvidia_a100_sxm4_80gb.json").write_text("{}")
+    assert tune.base_path(str(tmp_path / "new.json"), "NVIDIA A100-SXM4-80GB") == \
+        str(user_dir / "nvidia_a100_sxm4_80gb.json")
+
+
+def test_the_sweep_plans_with_read_only_tables_installed_for_the_gpu(monkeypatch, user_dir):
+    """Sweep 3 with stand-in plans: the usual schedule is timed without the key's small-batch row, each
+    candidate with its own, nothing stays installed after; and ``sweep_table`` is measured only for a
+    table swept on this GPU."""
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    name = "NVIDIA H200"
+    monkeypatch.setattr(tune, "current_table", lambda: tuning.table_named(name))
+    data = tuning.table_named(name).to_json()
+    assert tune.sweep_table(data).measured
+    assert not tune.sweep_table(data, device="NVIDIA A100-SXM4-80GB").measured
+    seen = []
+
+    def fake_plan(p, **kw):
+        table = tuning.table_named(name)
+        row = table.small_batch_tiles.get(p)
+        seen.append((p, None if row is None else (row["block_n"], row["num_warps"], row["num_stages"])))
+        return None, lambda: 50.0 if seen[-1][1] == (64, 8, 3) else 100.0
+
+    monkeypatch.setattr(tune, "_problem", lambda model, bs, prefix, kv: (tune.MODEL_SHAPES[model].head_dim,
+                                                                         block_m_for(rows_per_tile(
+                                                                             tune.MODEL_SHAPES[model].group, 4)), 2))
+    monkeypatch.setattr(tune, "_timed_plan", fake_plan)
+    monkeypatch.setattr(tune, "graph_time_us", lambda run: run())
+    before = tuning.table_named(name)
+    rows, sweep = tune.sweep_small_batch(lambda msg: None, data)
+    assert tuning.table_named(name) is before
+    assert {(r["block_n"], r["num_warps"], r["num_stages"]) for r in rows} == {(64, 8, 3)}
+    assert len(rows) == len(MODEL_SHAPES)
+    usual = [tile for key, tile in seen if tile is None]
+    assert len(usual) == 2 * len(MODEL_SHAPES)  # two prefixes per model, timed without the key's row
+    assert (64, 8, 3) in {tile for _, tile in seen}
+
+
+def test_a_partial_sweep_notes_the_gpu_it_ran_on():
+    table = tune._partial({"device": "NVIDIA H200"}, "tiles", "NVIDIA A100-SXM4-80GB")
+    assert table["device"] == "NVIDIA H200"
+    assert [(r["part"], r["device"]) for r in table["partial_sweeps"]] == [("tiles", "NVIDIA A100-SXM4-80GB")]
 
 
 @pytest.mark.parametrize("interpreting, name, warns", [(False, "NVIDIA A100-SXM4-80GB", True),
                                                        (False, "NVIDIA H200", False),
                                                        (True, "NVIDIA A100-SXM4-80GB", False)])
-def test_a_gpu_without_a_tuned_table_gets_one_notice(monkeypatch, interpreting, name, warns):
-    """The table's entries serve as defaults; one warning line, once per process, says how to tune."""
-    monkeypatch.setattr(tuning, "_untuned_checked", False)
+def test_a_gpu_without_a_tuned_table_gets_one_notice(monkeypatch, user_dir, interpreting, name, warns):
+    """The H200's tile shapes serve as defaults; one warning line, once per process, says how to tune."""
     monkeypatch.setattr(tuning, "interpreting", lambda: interpreting)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(
+        name=name, multi_processor_count=108, shared_memory_per_multiprocessor=167936,
+        shared_memory_per_block_optin=166912, regs_per_multiprocessor=65536, warp_size=32,
+        max_threads_per_multi_processor=2048))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        rows = [tuning._tile_row(128, 16, 2, 1) for _ in range(3)]
-    assert all(r is rows[0] for r in rows)
+        rows = [tuning.table_for(torch.device("cuda", 0)).tile(128, 16, 2, 1) for _ in range(3)]
+        tuning.tuned_tile(128, 16, 2)
+    assert all(r == rows[0] for r in rows)
     notices = [w for w in caught if "splitkv.bench.tune" in str(w.message)]
     assert len(notices) == (1 if warns else 0)
     if warns:
         text = str(notices[0].message)
-        assert "\n" not in text and name in text and "python -m splitkv.bench.tune --replace" in text
+        assert "\n" not in text and name in text and "python -m splitkv.bench.tune" in text
+        assert str(user_dir / "nvidia_a100_sxm4_80gb.json") in text

@@ -1,4 +1,4 @@
-"""``python -m splitkv.bench.tune``: the GPU sweep behind ``splitkv/tuned_h200.json``.
+"""``python -m splitkv.bench.tune``: the GPU sweep behind the tuned tables (``splitkv/tables/*.json``).
 
 Three sweeps, all timed as CUDA-graph replays with ``triton.testing.do_bench``
 (median, L2 flushed), bf16 queries, 4 draft tokens, random ``kv_indices``:
@@ -35,12 +35,20 @@ Every measurement is written to the table's ``sweep`` lists, so the choice
 can be checked. Sweep 1 took about 80 s per pool dtype on an H200
 (2026-12-01), its paged form 290-310 s; a full run of the three sweeps takes over ten minutes.
 
-Where the table goes: by default a new file, ``tuned_<gpu>.json`` in the
-working directory (``<gpu>`` from the device name, ``"NVIDIA H200"`` ->
-``h200``), or ``--out PATH``; the package's own table, the one every launch
-reads, is overwritten only with ``--replace``. ``--tiles-only``, ``--paged``
-and ``--small-batch`` update one part of a table and keep the rest: of the
-output file when it exists, else of the package's table.
+Where the table goes: by default the **user table directory**
+(:func:`splitkv.tuning.user_dir`: ``$SPLITKV_TUNED_DIR``, else
+``$XDG_CACHE_HOME/splitkv/tuned``, else ``~/.cache/splitkv/tuned``), as
+``<name>.json`` with ``<name>`` the device name normalised by
+:func:`splitkv.tuning.normalise_name` (``"NVIDIA H200"`` -> ``nvidia_h200.json``).
+:func:`splitkv.tuning.table_for` reads that directory before the package's
+``splitkv/tables/``, so from then on every launch on a GPU of that name uses
+the new table; the package's installed files are never written. ``--out PATH``
+writes elsewhere instead (for instance ``splitkv/tables/<name>.json`` in a
+checkout, to ship a table with the package). ``--replace`` is kept for old
+command lines and now means the default. ``--tiles-only``, ``--paged`` and
+``--small-batch`` update one part of a table and keep the rest: of the output
+file when it exists, else of the table this GPU reads now (its own, or the
+package's default table, :data:`splitkv.tuning.DEFAULT_DEVICE`'s).
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ import math
 import os
 import platform
 import time
+from typing import Optional
 
 import torch
 
@@ -60,7 +69,7 @@ from ..plan import VerifySplitKV
 from ..schedule import TileConfig, block_m_for, rows_per_tile
 from ..testing import MODEL_SHAPES, make_problem, paged_problem
 from .breadth import PAGE_SIZES
-from .timing import Timer, gpu_tag
+from .timing import Timer
 
 BLOCK_NS = (32, 64, 128)
 #: Sweep 1 (tiles): 8 warps lost to 4 for every model and pool dtype in the sweep of
@@ -175,36 +184,61 @@ def sweep_paged_tiles(log, kv_dtypes=KV_DTYPES):
     return rows, sweep
 
 
-def sweep_min_split(log):
+def current_table() -> "tuning.TunedTable":
+    """The table the planner reads on the current GPU (:func:`splitkv.tuning.table_for`)."""
+    return tuning.table_for(torch.device("cuda", torch.cuda.current_device()))
+
+
+def sweep_table(data: dict, **changes) -> "tuning.TunedTable":
+    """The table a sweep plans with: ``data`` (a table file's content) with ``changes``, for the current GPU.
+
+    Install it with :func:`splitkv.tuning.using` (the tables themselves are
+    read-only). ``measured`` when ``data``'s ``device`` is this GPU's name:
+    then its rows' programs per SM count, else the GPU's own derived ones.
+    """
+    current = current_table()
+    data = dict(data, **changes)
+    measured = tuning.normalise_name(data.get("device", "")) == tuning.normalise_name(current.device_name)
+    return tuning.TunedTable.from_json(data, current.device_name, "sweep", measured, limits=current.limits,
+                                       derived_from=None if measured else current.derived_from)
+
+
+def sweep_min_split(log, data: dict):
+    """Sweep 2 with the tiles of ``data`` (a table file's content): the best ``min_split_tokens``,
+    the geometric mean per value, and every timing."""
     results = {}
     sweep = []
     for ms in MIN_SPLITS:
-        tuning.TUNED["min_split_tokens"] = ms
         logs = []
-        for model in MODEL_SHAPES:
-            for bs, prefix in ((1, 4096), (1, 16384), (8, 4096), (8, 16384)):
-                p = _problem(model, bs, prefix, torch.bfloat16)
-                plan, run = _timed_plan(p)
-                us = graph_time_us(run)
-                sweep.append(dict(min_split_tokens=ms, model=model, batch=bs, prefix=prefix, us=us,
-                                  n_splits=plan.n_splits))
-                logs.append(math.log(us))
-                log(f"min_split {ms:>4} {model:>10} bs {bs} prefix {prefix:>6}: {us:7.1f} us "
-                    f"({plan.n_splits} slices)")
+        with tuning.using(sweep_table(data, min_split_tokens=ms)):
+            for model in MODEL_SHAPES:
+                for bs, prefix in ((1, 4096), (1, 16384), (8, 4096), (8, 16384)):
+                    p = _problem(model, bs, prefix, torch.bfloat16)
+                    plan, run = _timed_plan(p)
+                    us = graph_time_us(run)
+                    sweep.append(dict(min_split_tokens=ms, model=model, batch=bs, prefix=prefix, us=us,
+                                      n_splits=plan.n_splits))
+                    logs.append(math.log(us))
+                    log(f"min_split {ms:>4} {model:>10} bs {bs} prefix {prefix:>6}: {us:7.1f} us "
+                        f"({plan.n_splits} slices)")
         results[ms] = math.exp(sum(logs) / len(logs))
     best = min(results, key=results.get)
     return best, results, sweep
 
 
-def sweep_small_batch(log):
-    """Sweep 3: the one-wave tile per model where it beats the usual schedule, and every timing."""
+def sweep_small_batch(log, data: dict):
+    """Sweep 3 with the tiles of ``data`` (a table file's content): the one-wave tile per model where it
+    beats the usual schedule, and every timing."""
     rows, sweep = [], []
     prefixes = (4096, 16384)
     for model, s in MODEL_SHAPES.items():
         block_m = block_m_for(rows_per_tile(s.group, 4))
+        key = dict(head_dim=s.head_dim, block_m=block_m, kv_bytes=2)
+        others = [r for r in data.get("small_batch_tiles", [])
+                  if (r["head_dim"], r["block_m"], r["kv_bytes"]) != tuple(key.values())]
         problems = [_problem(model, 1, prefix, torch.bfloat16) for prefix in prefixes]
-        tuning.TUNED["small_batch_tiles"].pop((s.head_dim, block_m, 2), None)
-        usual = [graph_time_us(_timed_plan(p)[1]) for p in problems]
+        with tuning.using(sweep_table(data, small_batch_tiles=others)):
+            usual = [graph_time_us(_timed_plan(p)[1]) for p in problems]
         base = math.exp(sum(map(math.log, usual)) / len(usual))
         log(f"{model:>10} small batch, usual schedule: {usual[0]:6.1f} / {usual[1]:6.1f} us")
         best = None
@@ -213,10 +247,10 @@ def sweep_small_batch(log):
                 continue
             for warps in SMALL_BATCH_WARPS:
                 for stages in STAGES:
-                    tuning.TUNED["small_batch_tiles"][(s.head_dim, block_m, 2)] = dict(
-                        block_n=bn, num_warps=warps, num_stages=stages)
+                    trial = others + [dict(key, block_n=bn, num_warps=warps, num_stages=stages)]
                     try:
-                        times = [graph_time_us(_timed_plan(p)[1]) for p in problems]
+                        with tuning.using(sweep_table(data, small_batch_tiles=trial)):
+                            times = [graph_time_us(_timed_plan(p)[1]) for p in problems]
                     except Exception as err:  # out of resources: not a candidate
                         log(f"{model} BLOCK_N {bn} warps {warps} stages {stages}: {type(err).__name__}")
                         continue
@@ -228,7 +262,6 @@ def sweep_small_batch(log):
                         f"{times[0]:6.1f} / {times[1]:6.1f} us")
                     if mean < 0.97 * base and (best is None or mean < best[0]):
                         best = (mean, bn, warps, stages)
-        tuning.TUNED["small_batch_tiles"].pop((s.head_dim, block_m, 2), None)
         if best is not None:
             rows.append(dict(head_dim=s.head_dim, block_m=block_m, kv_bytes=2, block_n=best[1], num_warps=best[2],
                              num_stages=best[3], from_model=model, us=best[0], usual_us=base))
@@ -240,10 +273,17 @@ def _read_table(path):
         return json.load(f)
 
 
+def _partial(table, part, device_name):
+    """Note in ``table`` that ``part`` was swept on ``device_name`` (its ``device`` stays the full sweep's)."""
+    table.setdefault("partial_sweeps", []).append(dict(part=part, device=device_name,
+                                                       date=datetime.date.today().isoformat()))
+    return table
+
+
 def _small_batch_only(path, log):
     """Sweep 3 alone; the table's other entries are kept."""
     table = _read_table(path)
-    rows, sweep = sweep_small_batch(log)
+    rows, sweep = sweep_small_batch(log, table)
     table.update(small_batch_tiles=rows, small_batch_sweep=sweep,
                  small_batch_date=datetime.date.today().isoformat())
     return table
@@ -267,44 +307,72 @@ def _tile_summary(row):
 
 
 def _write_table(path, table):
-    with open(path, "w") as f:
+    """Write ``table`` to ``path`` whole (through a temporary file beside it), making its directory."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
         json.dump(table, f, indent=1)
         f.write("\n")
+    os.replace(tmp, path)
 
 
 def default_out_path(device_name: str) -> str:
-    """``tuned_<gpu>.json`` in the working directory: a new file, never the package's table."""
-    return f"tuned_{gpu_tag(device_name)}.json"
+    """``<user table directory>/<normalised device name>.json``: the file :func:`splitkv.tuning.table_for`
+    reads first for that GPU (:func:`splitkv.tuning.user_dir`); never the package's."""
+    return os.path.join(tuning.user_dir(), tuning.normalise_name(device_name) + ".json")
 
 
 def out_path(args, device_name: str) -> str:
-    """The table a run writes: ``--out``, the package's with ``--replace``, else :func:`default_out_path`."""
-    if args.replace:
-        return tuning.TABLE_PATH
+    """The table a run writes: ``--out``, else :func:`default_out_path` (``--replace`` too, now)."""
     return args.out or default_out_path(device_name)
 
 
-def base_path(out: str) -> str:
-    """The table a partial sweep updates: the output file when it exists, else the package's."""
-    return out if os.path.exists(out) else tuning.TABLE_PATH
+def base_path(out: str, device_name: str) -> str:
+    """The table a partial sweep updates: the output file when it exists, else the one this GPU reads now
+    (:func:`splitkv.tuning.table_path`: its own, user directory first), else the package's default table."""
+    if os.path.exists(out):
+        return out
+    return tuning.table_path(device_name) or tuning.table_path(tuning.DEFAULT_DEVICE) or tuning.TABLE_PATH
 
 
-def _how_to_use(out: str) -> str:
-    """The last line of a run that did not replace the package's table."""
-    return (f"the package reads splitkv/{os.path.basename(tuning.TABLE_PATH)}; to use {out}, copy it there "
-            "or run the sweep with --replace")
+def save(table: dict, device_name: str, out: Optional[str] = None) -> str:
+    """Write a sweep's table (``out``, default :func:`default_out_path`) and return its path.
+
+    The tables read so far in this process are forgotten
+    (:func:`splitkv.tuning.clear_cache`), so that later launches here read the new one.
+    """
+    path = out or default_out_path(device_name)
+    _write_table(path, table)
+    tuning.clear_cache()
+    return path
+
+
+def _how_to_use(out: str, device_name: str) -> str:
+    """The last line of a run: whether launches on this GPU will read ``out``."""
+    if os.path.abspath(out) == os.path.abspath(default_out_path(device_name)):
+        return (f"launches on a {device_name} read {out} from now on (the user table directory, "
+                f"${tuning.TUNED_DIR_ENV} to move it; the package's tables are left as they are)")
+    return (f"launches read {default_out_path(device_name)} (then the package's splitkv/tables/); to use {out}, "
+            f"copy it there or set ${tuning.TUNED_DIR_ENV} to a directory holding it as "
+            f"{tuning.normalise_name(device_name)}.json")
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m splitkv.bench.tune", description=__doc__.split("\n")[0],
-                                 epilog="The table goes to a new file, tuned_<gpu>.json here, unless --out or "
-                                        "--replace says otherwise.")
+    where_to = os.path.join(tuning.user_dir(), "<gpu>.json")
+    ap = argparse.ArgumentParser(
+        prog="python -m splitkv.bench.tune", description=__doc__.split("\n")[0],
+        epilog=f"Where it writes: {where_to} by default, <gpu> the device name normalised "
+               f"(\"NVIDIA H200\" -> nvidia_h200): the user table directory, ${tuning.TUNED_DIR_ENV} "
+               "(default $XDG_CACHE_HOME/splitkv/tuned, else ~/.cache/splitkv/tuned), which every launch on a GPU "
+               "of that name reads before the package's splitkv/tables/. The package's installed files are never "
+               "written; --out PATH writes elsewhere.")
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--out", metavar="PATH",
-                       help="table to write (default: tuned_<gpu>.json in the working directory)")
+                       help=f"table to write instead of the user table (default: {where_to})")
     where.add_argument("--replace", action="store_true",
-                       help=f"overwrite the package's table (splitkv/{os.path.basename(tuning.TABLE_PATH)}), which "
-                            "every launch reads")
+                       help="kept for old command lines: the default now (the user table, which launches read "
+                            "first); the package's table is not overwritten")
     ap.add_argument("--small-batch", action="store_true",
                     help="run sweep 3 alone and update the table's small_batch_tiles")
     ap.add_argument("--tiles-only", choices=sorted(KV_DTYPES), metavar="KV_DTYPE",
@@ -320,36 +388,41 @@ def main(argv=None):
         raise SystemExit("the sweep needs a CUDA GPU")
     import triton
 
-    out = out_path(args, torch.cuda.get_device_name())
+    index = torch.cuda.current_device()
+    name = current_table().device_name
+    out = out_path(args, name)
     start = time.time()
     log = lambda msg: print(f"[{time.time() - start:6.1f}s] {msg}", flush=True)  # noqa: E731
-    log(f"writing {out}" + ("" if args.replace else " (the package's table is left as it is; --replace overwrites it)"))
+    log(f"writing {out} (the package's tables are left as they are)")
     if args.tiles_only or args.paged:
         paged = args.paged is not None
-        table = _tiles_only(base_path(out), args.paged or args.tiles_only, log, paged)
-        _write_table(out, table)
+        base = base_path(out, name)
+        log(f"updating the table of {base}")
+        table = _tiles_only(base, args.paged or args.tiles_only, log, paged)
+        _partial(table, "paged_tiles" if paged else "tiles", name)
+        save(table, name, out)
         key = "paged_tiles" if paged else "tiles"
         log(f"wrote {out}: {key} {[_tile_summary(r) for r in table[key]]}")
-        if not args.replace:
-            log(_how_to_use(out))
+        log(_how_to_use(out, name))
         return
     if args.small_batch:
-        table = _small_batch_only(base_path(out), log)
-        _write_table(out, table)
+        base = base_path(out, name)
+        log(f"updating the table of {base}")
+        table = _partial(_small_batch_only(base, log), "small_batch_tiles", name)
+        save(table, name, out)
         log(f"wrote {out}: small_batch_tiles {[(r['from_model'], r['block_n'], r['num_warps'], r['num_stages']) for r in table['small_batch_tiles']]}")
-        if not args.replace:
-            log(_how_to_use(out))
+        log(_how_to_use(out, name))
         return
     tiles, tile_sweep = sweep_tiles(log)
-    tuning.TUNED["tiles"] = {(r["head_dim"], r["block_m"], r["kv_bytes"]): r for r in tiles}
-    tuning._nearest.cache_clear()
     paged_tiles, paged_sweep = sweep_paged_tiles(log)
-    best_ms, by_ms, split_sweep = sweep_min_split(log)
-    small_rows, small_sweep = sweep_small_batch(log)
+    # Sweeps 2 and 3 plan with the new tiles, as measured on this GPU.
+    swept = dict(current_table().to_json(), device=name, tiles=tiles, paged_tiles=paged_tiles)
+    best_ms, by_ms, split_sweep = sweep_min_split(log, swept)
+    small_rows, small_sweep = sweep_small_batch(log, dict(swept, min_split_tokens=best_ms))
     table = dict(
         source="python -m splitkv.bench.tune",
-        device=torch.cuda.get_device_name(),
-        num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+        device=name,
+        num_sms=torch.cuda.get_device_properties(index).multi_processor_count,
         date=datetime.date.today().isoformat(),
         torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
         min_split_tokens=best_ms,
@@ -362,11 +435,10 @@ def main(argv=None):
         small_batch_tiles=small_rows,
         small_batch_sweep=small_sweep,
     )
-    _write_table(out, table)
+    save(table, name, out)
     log(f"wrote {out}: min_split_tokens {best_ms}; tiles {[_tile_summary(r) for r in tiles]}; "
         f"paged tiles {[_tile_summary(r) for r in paged_tiles]}")
-    if not args.replace:
-        log(_how_to_use(out))
+    log(_how_to_use(out, name))
 
 
 if __name__ == "__main__":

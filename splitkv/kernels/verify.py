@@ -180,7 +180,8 @@ from .merge import _merge_chunk, _partial_outputs
 def _check_sequence(Err, err_slot, b, qo_indptr, kv_indptr, Last_Page_Len, mask_indptr, Mask_Offsets, num_tokens, kv_len,
                     mask_len, max_draft, n_prefix, n_draft, n_keys, n_splits, PAGE_SIZE: tl.constexpr,
                     SPLIT_TOKENS: tl.constexpr, USE_MASK: tl.constexpr, HAS_MASK_OFFSETS: tl.constexpr):
-    """Checked mode: report sequence ``b``'s malformed metadata in the error word (see "Checks").
+    """Checked mode: report sequence ``b``'s malformed metadata in the launch's slot of the fault log
+    (see "Checks").
 
     The mask check covers the sequence's whole block of ``n_draft`` rows of ``offset + n_prefix +
     n_draft`` entries from ``mask_indptr[b]``, the columns the kernel skips included.

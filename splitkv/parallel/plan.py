@@ -15,7 +15,6 @@ exists). Ranks (``draft_rank``, ``dst``) are ranks *within* ``group``.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -125,7 +124,7 @@ class ContextParallelVerify:
                 raise ValueError(found.reason)
             raise NotImplementedError(f"the split path declines this call: {found.reason}")
         # The local partial state always carries its LSE: the merge weighs the ranks by it.
-        local = self.runner._plan(tensors, meta, dataclasses.replace(opts, return_lse=True),
+        local = self.runner._plan(tensors, meta, opts._replace(return_lse=True),
                                   attend_draft=self.owns_draft)
         return ContextParallelPlan(self, local, return_lse=opts.return_lse, check=opts.check)
 

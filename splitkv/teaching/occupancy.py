@@ -33,10 +33,13 @@ import heapq
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from ..schedule import (MERGE_PROGRAMS, SEPARATE_MERGE, TileConfig, block_m_for, cdiv, choose_n_splits,
-                        grid_merge_block, head_tiles, launch_block_m, merge_launch_block, merge_mode, min_split_for, n_used,
-                        one_wave_n_splits, slicing, split_keys, split_len, split_ranges, tile_config)
-from ..tuning import TUNED, programs_per_sm, small_batch_tile
+import torch
+
+from .. import tuning
+from ..resources import H200_SHARED_MEMORY
+from ..schedule import (MERGE_PROGRAMS, SEPARATE_MERGE, DeviceFacts, VerifyParams, cdiv,
+                        count_splits, grid_merge_block, head_tiles, merge_launch_block, merge_mode,
+                        min_split_for, n_used, plan_tile, slicing, split_keys, split_len, split_ranges)
 
 __all__ = [
     "Program",
@@ -139,31 +142,25 @@ class GpuLaunch:
 
 
 def gpu_launch(num_q_heads: int, num_kv_heads: int, head_dim: int, batch: int, prefix: int, *,
-               max_len_extend: int = 4, num_sms: int = 132, kv_bytes: int = 2, page_size: int = 1) -> GpuLaunch:
+               max_len_extend: int = 4, num_sms: int = 132, kv_bytes: int = 2, page_size: int = 1,
+               table=None) -> GpuLaunch:
     """The runner's GPU launch for ``batch`` sequences of ``prefix`` keys, computed on any machine.
 
-    The same rules as :meth:`splitkv.VerifySplitKV.config` and
-    :meth:`~splitkv.VerifySplitKV.n_splits` on a GPU (under the interpreter
-    the runner itself uses small tiles and short slices instead), with the
-    H200 table of :mod:`splitkv.tuning`. ``kv_bytes``: pool element size;
-    ``page_size``: keys per page of a paged pool (1: a token pool).
+    The schedule's own planning functions (:func:`splitkv.schedule.plan_tile`,
+    :func:`~splitkv.schedule.count_splits`) with a GPU's facts (``num_sms`` SMs, the H200's
+    shared memory, no interpreter: under the interpreter the runner itself uses small tiles
+    and short slices instead) and the H200's tuned table (or ``table``). ``kv_bytes``: pool
+    element size; ``page_size``: keys per page of a paged pool (1: a token pool).
     """
-
-    rows = num_q_heads // num_kv_heads * max_len_extend
-    block_m = launch_block_m(block_m_for(rows), lambda b: batch * head_tiles(num_q_heads, num_kv_heads, max_len_extend, b),
-                             num_sms)
-    cfg = tile_config(head_dim, head_dim, rows=rows, kv_bytes=kv_bytes, page_size=page_size, block_m=block_m)
-    tiles = head_tiles(num_q_heads, num_kv_heads, max_len_extend, cfg.block_m)
-    pps = programs_per_sm(head_dim, cfg.block_m, kv_bytes, page_size)
-    small = small_batch_tile(head_dim, cfg.block_m, kv_bytes, batch * tiles, num_sms, prefix)
-    if small is not None:
-        cfg, pps = TileConfig(cfg.block_m, *small), 1
-        n = one_wave_n_splits(batch * tiles, prefix, num_sms, min_split_tokens=TUNED["min_split_tokens"],
-                              block_n=cfg.block_n)
-    else:
-        n = choose_n_splits(batch, tiles, prefix, num_sms, programs_per_sm=pps,
-                            min_split_tokens=TUNED["min_split_tokens"], block_n=cfg.block_n)
-    return GpuLaunch(cfg, tiles, n, pps, min_split_for(cfg.block_n))
+    kv_dtype = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}[kv_bytes]
+    q_dtype = torch.float32 if kv_bytes == 4 else torch.bfloat16
+    p = VerifyParams(num_q_heads, num_kv_heads, head_dim, head_dim, max_len_extend, batch, kv_dtype, q_dtype,
+                     page_size=page_size)
+    facts = DeviceFacts(num_sms, H200_SHARED_MEMORY, False)
+    table = tuning.table_named(tuning.DEFAULT_DEVICE) if table is None else table
+    tile = plan_tile(p, facts, table, prefix)
+    n = count_splits(p, tile, facts, table, prefix)
+    return GpuLaunch(tile.config, tile.head_tiles, n, 1 if tile.small else tile.programs_per_sm, tile.min_split)
 
 
 def verify_programs(

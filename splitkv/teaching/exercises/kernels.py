@@ -476,7 +476,7 @@ def _slices(P: int, n_splits: int, block_n: int, rounded: bool = True, clamp: bo
 
 def _slice_state(p, b, kv_head, lo, hi, gather=True):
     """float64 base-2 state of tile ``(b, kv_head)`` over prefix keys ``[lo, hi)``, gathered (or read contiguously)."""
-    k0, k1 = p.kv_indptr[b].item(), p.kv_indptr[b + 1].item()
+    k0 = p.kv_indptr[b].item()
     total = len(p.kv_indices)
     end = min(k0 + hi, total if gather else len(p.k_buffer))
     idx = torch.arange(k0 + lo, max(k0 + lo, end))

@@ -6,7 +6,7 @@
   :func:`splitkv.resources.shared_memory_bytes`;
 * :func:`check_programs_per_sm` -- ``programs_per_sm(n_regs, num_warps, shared)``:
   how many programs one H200 SM holds at once, judged against every compiled
-  tile the H200 sweep recorded (``splitkv/tuned_h200.json``).
+  tile the H200 sweep recorded (``splitkv/tables/nvidia_h200.json``).
 
 The simple case (:func:`simple_case`): a token pool, ``head_dim == v_head_dim``
 a power of two, 2-byte queries (bf16/fp16), ``block_m`` 16 or 32 (the
