@@ -89,6 +89,12 @@ class VerifySplitKV:
             ``False`` always merges in a second launch, which needs no counters.
 
     Calling the runner plans and runs in one go; see :meth:`plan` to reuse a plan.
+
+    Threads. A runner and its plans may be shared by threads: planning and running change
+    nothing another thread reads but the memos of compiled launchers (filled under a lock), and
+    each thread binds its own :class:`Step` (:meth:`VerifyPlan.bind`) and passes it to
+    :meth:`VerifyPlan.run`. A plan's own bound step (:meth:`VerifyPlan.rebind`) is one
+    thread's. A caller's ``workspace`` is one stream's at a time.
     """
 
     def __init__(
