@@ -36,6 +36,9 @@ The contract:
   eager launches and of captured launches (a graph may be replayed from any
   thread); another thread's reports stay pending for that thread or for
   :func:`check_device_errors`.
+* **The portable path** (:func:`splitkv.launch.portable`: ROCm builds, ``SPLITKV_PORTABLE=1``)
+  maps no host memory into the device: the log lives in device memory, and
+  faults are raised by :func:`check_device_errors` only.
 * **CUDA graphs.** A replay runs no host code, so a replayed launch's fault
   is raised by the next call on the device or by :func:`check_device_errors`:
   an engine that replays graphs calls it once per step, after the step's
@@ -54,6 +57,7 @@ import torch
 
 from .kernels.common import (ERR_COUNTERS, ERR_DRAFTS, ERR_KV_INDPTR, ERR_LAST_PAGE, ERR_MASK, ERR_MERGE_WAIT,
                              ERR_PREFIX_BOUND, ERR_QO_INDPTR, ERR_SLOT)
+from .launch import portable
 from .validate import device_index
 
 __all__ = ["VerifyError", "check_device_errors", "raise_pending_faults", "fault_log", "FaultLog", "describe",
@@ -102,15 +106,27 @@ def _launch_name(owner) -> str:
 
 
 class FaultLog:
-    """One device's fault log: the flag (word 0), the eager ring, then the captured launches' slots."""
+    """One device's fault log: the flag (word 0), the eager ring, then the captured launches' slots.
 
-    def __init__(self, device: torch.device):
+    ``mapped`` (default: every device but on the portable path, :func:`splitkv.launch.portable`):
+    the words live in host memory the device writes through (pinned and mapped on a GPU), so the
+    host reads them without waiting. Otherwise they live in device memory and are read only when
+    the host copies them, which waits for the device: faults are then raised by
+    :func:`check_device_errors` (and :func:`raise_pending_faults`), not by the next call.
+    """
+
+    def __init__(self, device: torch.device, mapped: Optional[bool] = None):
         self.device = device
         size = 1 + EAGER_SLOTS + CAPTURED_SLOTS
-        # Pinned host memory is mapped into the device's address space (unified addressing):
-        # the kernel stores to it directly, the host reads it through a NumPy view without a copy.
-        self.words = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self._view = self.words.numpy()
+        self.mapped = (device.type != "cuda" or not portable()) if mapped is None else mapped
+        if self.mapped:
+            # Pinned host memory is mapped into the device's address space (unified addressing):
+            # the kernel stores to it directly, the host reads it through a NumPy view without a copy.
+            self.words = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
+            self._view = self.words.numpy()
+        else:
+            self.words = torch.zeros(size, dtype=torch.int32, device=device)
+            self._view = None
         self._base = self.words.data_ptr()
         #: per slot, its launch: ``(number on the device, thread, captured)``
         self._owners: List[Optional[tuple]] = [None] * size
@@ -133,8 +149,9 @@ class FaultLog:
                 self._next_captured += 1
         else:
             slot = 1 + number % EAGER_SLOTS
-            for _ in range(EAGER_SLOTS):  # skip slots whose reports are still unraised
-                if not self._view[slot]:
+            view = self._view
+            for _ in range(EAGER_SLOTS if view is not None else 0):  # skip slots holding unraised reports
+                if not view[slot]:
                     break
                 slot = 1 + next(self._numbers) % EAGER_SLOTS
         self._owners[slot] = owner
@@ -143,26 +160,42 @@ class FaultLog:
     def raise_pending(self, everyone: bool = False, scan: bool = False) -> None:
         """Raise :class:`VerifyError` for the reports this thread may raise (``everyone``: all), clearing them.
 
-        Reads the flag only, unless it is set or ``scan`` (then every slot). No waiting for the device.
+        Reads the flag only, unless it is set or ``scan`` (then every slot). No waiting for the device,
+        but in device memory (not ``mapped``), which only a ``scan`` reads, through a copy that waits.
         """
-        if not (scan or self._view[0]):
+        view = self._view
+        if view is None:
+            if not scan:
+                return
+            view = self.words.cpu().numpy()
+        elif not (scan or view[0]):
             return
         with self._lock:
-            self._view[0] = 0
+            if self.mapped:
+                view[0] = 0  # before the slots are read: a report landing meanwhile raises it again
             me = threading.get_ident()
             found, left = [], False
-            for slot in np.flatnonzero(self._view[1:]) + 1:
+            for slot in np.flatnonzero(view[1:]) + 1:
                 owner = self._owners[slot]
                 if everyone or owner is None or owner[2] or owner[1] == me:
-                    found.append((owner, int(self._view[slot])))
-                    self._view[slot] = 0
+                    found.append((slot, owner, int(view[slot])))
                 else:
                     left = True
-            if left:  # another thread's reports: keep the flag up for its next call
-                self._view[0] = 1
+            self._clear([slot for slot, _, _ in found], left)
         if found:
-            lines = [f"{describe(code)} (from {_launch_name(owner)})" for owner, code in found]
+            lines = [f"{describe(code)} (from {_launch_name(owner)})" for _, owner, code in found]
             raise VerifyError(f"splitkv verify kernel on {self.device}: " + "; ".join(lines))
+
+    def _clear(self, slots: List[int], left: bool) -> None:
+        """Clear the raised reports' slots; the flag stays up while another thread's reports are left."""
+        if self.mapped:
+            self._view[slots] = 0
+            if left:  # the flag was lowered before the slots were read; a report landing since raised it
+                self._view[0] = 1
+        else:
+            if slots:
+                self.words[torch.tensor(slots, device=self.device)] = 0
+            self.words[0] = int(left)
 
 
 _LOGS: Dict[int, FaultLog] = {}

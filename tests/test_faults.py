@@ -177,3 +177,19 @@ def test_tree_steps_that_only_change_lengths_reuse_one_plan():
         out = verify_attention(*p.tensors(None), **p.options())
         assert_matches_reference(out, p)
     assert len(_CACHES.plans) == 1
+
+
+def test_a_log_in_device_memory_is_read_when_the_host_waits():
+    """On the portable path (no host memory mapped into the device) the log lives in device memory:
+    a call's flag read sees nothing, and check_device_errors' scan (a copy, which waits) raises and clears."""
+    from splitkv.errors import FaultLog
+
+    log = FaultLog(torch.device(DEVICE), mapped=False)
+    slot = log.take_slot(False)
+    log.words[slot] = 16 + ERR_SLOT.value
+    log.words[0] = 1
+    log.raise_pending()  # no copy without a scan: nothing raised
+    with pytest.raises(VerifyError, match=r"sequence 1: kv_indices .*from launch #1 \(eager"):
+        log.raise_pending(scan=True)
+    assert int(log.words.count_nonzero()) == 0
+    log.raise_pending(scan=True)  # raised once
