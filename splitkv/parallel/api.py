@@ -21,7 +21,8 @@ from ..schedule import mean_prefix
 from ..tuning import SMALL_BATCH_MAX_PREFIX
 from ..options import VerifyOptions, split_options
 from ..validate import check_call, check_values
-from .group import DstType, capturing, group_info
+from ..launch import capturing
+from .group import DstType, group_info
 from .plan import ContextParallelPlan, ContextParallelVerify
 
 __all__ = ["cp_verify_attention", "clear_cp_caches"]
@@ -168,7 +169,7 @@ def _plan_for(cp: ContextParallelVerify, key: tuple, layer: tuple, indptrs: tupl
         return plan
     plans.move_to_end(key)
     plan.rebind(*indptrs, **meta)
-    if opts.check == "full" and not capturing():  # a new plan checks the values itself, as it plans
+    if opts.check == "full" and not capturing(layer[0].device):  # a new plan checks the values itself
         check_values((*layer[:3], None, *layer[3:], *indptrs), meta, opts)
     return plan
 

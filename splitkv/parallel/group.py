@@ -50,12 +50,3 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     """``all_gather_into_tensor`` (``all_gather_single`` where torch renamed it)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, inp, group=group)
-
-
-def capturing() -> bool:
-    """Whether the current CUDA stream is being captured into a graph.
-
-    The ``check="full"`` host checks read the device and talk to the group:
-    neither may run inside a capture, so they are skipped then.
-    """
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -24,7 +24,8 @@ from ..merge import merge_states
 from ..options import METADATA, VerifyOptions, split_options
 from ..plan import VerifyPlan, VerifySplitKV
 from ..validate import check_output
-from .group import DstType, all_gather, capturing, dist, group_info, merging_ranks
+from ..launch import capturing
+from .group import DstType, all_gather, dist, group_info, merging_ranks
 
 __all__ = ["ContextParallelVerify", "ContextParallelPlan"]
 
@@ -198,7 +199,7 @@ class ContextParallelPlan:
         self._o_bytes = _round16(n_tok * h_q * dv * esize)
         self.comm_bytes = self._o_bytes + _round16(n_tok * h_q * 4)
         if self.world_size > 1:
-            if check == "full" and not capturing():
+            if check == "full" and not capturing(self.device):
                 self._check_ranks_agree()
             self._alloc_exchange()
         else:  # a world of one exchanges nothing: run() calls the local plan straight into the output
