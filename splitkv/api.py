@@ -283,9 +283,11 @@ def verify_splitkv_fwd(
     for name, t in (("custom_mask", custom_mask), ("mask_indptr", mask_indptr)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
-    opts = VerifyOptions.make(max_len_extend, is_causal, k_scale, v_scale, sm_scale, logit_cap, skip_prefix_custom_mask,
-                         sliding_window_size, xai_temperature_len, max_bs, split_tokens, max_prefix_len,
-                         check_from_env() if check is None else check)
+    opts = VerifyOptions.make(
+        max_len_extend=max_len_extend, is_causal=is_causal, k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale,
+        logit_cap=logit_cap, skip_prefix_custom_mask=skip_prefix_custom_mask, sliding_window_size=sliding_window_size,
+        xai_temperature_len=xai_temperature_len, max_bs=max_bs, split_tokens=split_tokens,
+        max_prefix_len=max_prefix_len, check=check_from_env() if check is None else check)
     meta = dict(custom_mask=custom_mask, mask_indptr=mask_indptr, sinks=sinks, window_kv_offsets=window_kv_offsets,
                 kv_last_page_len=kv_last_page_len)
     tensors = (q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)
