@@ -71,6 +71,7 @@ from ..testing import MODEL_SHAPES, ROW_TOLERANCE, TOLERANCE, VerifyProblem, mak
 from ..testing import relative_error, tree_mask
 from . import cuda_peers
 from .cuda_peers import PEERS, FlashInferPaged, flashinfer_layout
+from .report import plain_table
 
 __all__ = [
     "FP8_MATH_BUDGET",
@@ -758,20 +759,11 @@ def _footer(result: dict) -> List[str]:
     return lines
 
 
-def _plain(title: str, head: List[str], body: List[List[str]]) -> List[str]:
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-
-    def fmt(cells):
-        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    return [title, fmt(head), "-" * len(fmt(head))] + [fmt(c) for c in body] + [""]
-
-
 def format_table(result: dict) -> str:
     """The results as plain-text tables and the footer."""
     out = []
     for title, head, body in _tables(result):
-        out += _plain(title, head, body)
+        out += plain_table(title, head, body, left=2)
     return "\n".join(out + _footer(result))
 
 

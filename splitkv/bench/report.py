@@ -273,12 +273,13 @@ def _footer(result: dict) -> List[str]:
     return lines
 
 
-def _plain(title: str, head: List[str], body: List[List[str]]) -> List[str]:
-    """One plain-text table: the title, the header, a rule, the rows (the first column left-aligned)."""
+def plain_table(title: str, head: List[str], body: List[List[str]], left: int = 1) -> List[str]:
+    """One plain-text table: the title, the header, a rule, the rows (the first ``left`` columns
+    left-aligned, the others right-aligned)."""
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
 
     def fmt(cells):
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
     return [title, fmt(head), "-" * len(fmt(head))] + [fmt(c) for c in body] + [""]
 
@@ -287,7 +288,7 @@ def format_table(result: dict) -> str:
     """The results as plain-text tables (µs, ratios, host times, fp8 pool) and a footer."""
     out = []
     for title, head, body in _tables(result):
-        out += _plain(title, head, body)
+        out += plain_table(title, head, body)
     return "\n".join(out + _footer(result))
 
 
@@ -310,7 +311,7 @@ def format_small(result: dict) -> str:
               + (f"a reduced grid of launch settings ({grid})" if grid else "the full launch-settings search")
               + f"; {result.get('elapsed_s', 0):.0f} s.")
     problems = _problems(result)
-    return "\n".join(_plain("splitkv against its floors", head, body) + [footer]
+    return "\n".join(plain_table("splitkv against its floors", head, body) + [footer]
                      + (["Failures and skips: " + "; ".join(problems) + "."] if problems else []))
 
 
