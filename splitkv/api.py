@@ -107,16 +107,6 @@ def get_runner(q_extend, k_extend, v_extend, max_len_extend: int, max_bs: int, *
     return runner
 
 
-def _small(t):
-    """Shape, dtype and device of an optional metadata tensor."""
-    return None if t is None else (t.shape, t.dtype, t.get_device())
-
-
-def _grows(t):
-    """Rank, dtype and device of an optional tensor whose length changes from step to step (a tree mask)."""
-    return None if t is None else (t.dim(), t.dtype, t.get_device())
-
-
 def _signature(tensors: tuple, meta: dict, opts: VerifyOptions) -> tuple:
     """Everything the gate and the plan depend on, except the lengths that change every step and tensor
     values (and addresses, but for whether an MLA head's V is a view of its K).
@@ -126,6 +116,8 @@ def _signature(tensors: tuple, meta: dict, opts: VerifyOptions) -> tuple:
     (:func:`splitkv.schedule.mean_prefix`). Written out flat: it runs on every eager call.
     """
     q, k, v, o, kb, vb, qo, kvp, kvi = tensors
+    cm, mi, sinks = meta["custom_mask"], meta["mask_indptr"], meta["sinks"]
+    offsets, last = meta["window_kv_offsets"], meta["kv_last_page_len"]
     return (
         q.shape, q.stride(), q.dtype, q.get_device(),
         k.shape, k.stride(), k.dtype, k.get_device(),
@@ -138,8 +130,12 @@ def _signature(tensors: tuple, meta: dict, opts: VerifyOptions) -> tuple:
         mean_prefix(kvi.shape[0], kb.shape[1] if kb.dim() == 4 else 1, qo.shape[0] - 1) > SMALL_BATCH_MAX_PREFIX,
         # An MLA plan whose V is a view of K reads V from K's rows: a copy of V needs its own plan.
         (kb.data_ptr() == vb.data_ptr(), k.data_ptr() == v.data_ptr()) if kb.shape[-1] != vb.shape[-1] else None,
-        _grows(meta["custom_mask"]), _small(meta["mask_indptr"]), _small(meta["sinks"]),
-        _small(meta["window_kv_offsets"]), _small(meta["kv_last_page_len"]),
+        # The optional tensors: their shapes, but a tree mask's length, which grows with the prefixes.
+        None if cm is None else (cm.dim(), cm.dtype, cm.get_device()),
+        None if mi is None else (mi.shape, mi.dtype, mi.get_device()),
+        None if sinks is None else (sinks.shape, sinks.dtype, sinks.get_device()),
+        None if offsets is None else (offsets.shape, offsets.dtype, offsets.get_device()),
+        None if last is None else (last.shape, last.dtype, last.get_device()),
         opts,
     )
 
@@ -283,11 +279,11 @@ def verify_splitkv_fwd(
     for name, t in (("custom_mask", custom_mask), ("mask_indptr", mask_indptr)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
-    opts = VerifyOptions.make(
+    opts = VerifyOptions(
         max_len_extend=max_len_extend, is_causal=is_causal, k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale,
         logit_cap=logit_cap, skip_prefix_custom_mask=skip_prefix_custom_mask, sliding_window_size=sliding_window_size,
         xai_temperature_len=xai_temperature_len, max_bs=max_bs, split_tokens=split_tokens,
-        max_prefix_len=max_prefix_len, check=check_from_env() if check is None else check)
+        max_prefix_len=max_prefix_len, check=check_from_env() if check is None else check).checked()
     meta = dict(custom_mask=custom_mask, mask_indptr=mask_indptr, sinks=sinks, window_kv_offsets=window_kv_offsets,
                 kv_last_page_len=kv_last_page_len)
     tensors = (q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)

@@ -49,9 +49,9 @@ class VerifyOptions(NamedTuple):
     """The Python scalars of a verify call: an immutable record, read by name.
 
     A named tuple rather than a frozen dataclass because every eager call builds one: on the
-    CPU here it is made and hashed in a tenth of a frozen dataclass's time. Build it with
-    :meth:`make`, which checks the types that an equal value of another type would hide in a
-    cache key (``1 == True``); :meth:`problem` checks the rest, once per new key.
+    CPU here it is made and hashed in a fraction of a frozen dataclass's time. Entries build it as
+    ``VerifyOptions(...).checked()`` (:meth:`checked`: the types that an equal value of another
+    type would hide in a cache key, ``1 == True``); :meth:`problem` checks the rest, once per new key.
 
     Attributes:
         max_len_extend: most draft tokens of any sequence (in ``[1, 64]`` for the split path).
@@ -91,22 +91,21 @@ class VerifyOptions(NamedTuple):
     check: Union[bool, str] = True
     return_lse: bool = False
 
-    @classmethod
-    def make(cls, *args, **kwargs) -> "VerifyOptions":
-        """The options, with the types an equal value of another type would hide in a cache key checked.
+    def checked(self) -> "VerifyOptions":
+        """These options, once the types that an equal value of another type would hide in a cache key
+        (``1 == True``) are checked: every entry builds its options as ``VerifyOptions(...).checked()``.
 
         Raises:
-            TypeError: for an unknown option, or an ``is_causal``, ``check`` or ``max_len_extend`` of the
-                wrong type.
+            TypeError: for an ``is_causal``, ``check`` or ``max_len_extend`` of the wrong type.
         """
-        opts = cls(*args, **kwargs)
-        if type(opts.is_causal) is not bool:
-            raise TypeError(f"is_causal must be a bool, got {type(opts.is_causal).__name__}")
-        if not (opts.check is True or opts.check is False or opts.check == "full"):
-            raise TypeError(f"check must be one of {CHECK_MODES}, got {opts.check!r}")
-        if isinstance(opts.max_len_extend, bool) or not isinstance(opts.max_len_extend, numbers.Integral):
-            raise TypeError(f"max_len_extend must be an int, got {type(opts.max_len_extend).__name__}")
-        return opts
+        if type(self.is_causal) is not bool:
+            raise TypeError(f"is_causal must be a bool, got {type(self.is_causal).__name__}")
+        if not (self.check is True or self.check is False or self.check == "full"):
+            raise TypeError(f"check must be one of {CHECK_MODES}, got {self.check!r}")
+        n = self.max_len_extend
+        if type(n) is not int and (isinstance(n, bool) or not isinstance(n, numbers.Integral)):
+            raise TypeError(f"max_len_extend must be an int, got {type(n).__name__}")
+        return self
 
     def scale_problem(self) -> Optional[str]:
         """Why the split path cannot take these scales (it needs Python numbers), or ``None``."""
@@ -195,7 +194,7 @@ def split_options(options: Dict[str, object]) -> Tuple[VerifyOptions, Dict[str, 
         TypeError: for a keyword that is neither an option nor a metadata tensor.
     """
     meta = {name: options.pop(name, None) for name in METADATA}
-    return VerifyOptions.make(**options), meta
+    return VerifyOptions(**options).checked(), meta
 
 
 def check_from_env() -> Union[bool, str]:
@@ -204,7 +203,9 @@ def check_from_env() -> Union[bool, str]:
     raw = os.environ.get(CHECK_ENV)
     if raw is None:
         return False
-    mode = _CHECK_WORDS.get(raw.strip().lower())
+    mode = _CHECK_WORDS.get(raw)
+    if mode is None:
+        mode = _CHECK_WORDS.get(raw.strip().lower())
     if mode is None:
         raise ValueError(f"{CHECK_ENV}={raw!r}: use one of 0/false/off/no, 1/true/on/yes, full")
     return mode

@@ -68,7 +68,7 @@ def test_split_options_takes_exactly_the_option_list():
 ])
 def test_options_that_an_equal_value_of_another_type_would_hide_raise_type_errors(bad, error):
     with pytest.raises(TypeError, match=error):
-        VerifyOptions.make(**{"max_len_extend": 4, **bad})
+        VerifyOptions(**{"max_len_extend": 4, **bad}).checked()
 
 
 def test_options_are_immutable_and_hashable():
