@@ -703,6 +703,8 @@ class VerifyPlan:
         self.spilling.add(_variant(split))
         self._splits = {k: v for k, v in self._splits.items() if _variant(v) not in self.spilling}
         self._sized = None
+        if _variant(self._last) in self.spilling:  # what the step bound last now launches
+            self._last = self._split(self._last.n_splits)
 
     def _scratch(self, step: Step, stream: Optional[int], key: tuple):
         """This run's ``(partials, address, counters, address, raw block to free)``; ``None`` (nothing

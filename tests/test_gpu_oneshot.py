@@ -366,12 +366,17 @@ def test_stress_10000_graph_replays():
     assert samples[-1] - samples[0] <= 1 << 16, samples
 
 
-def test_counters_first_allocated_inside_a_capture():
+def test_counters_first_allocated_inside_a_capture(monkeypatch):
     """Warm-up on another stream (the PyTorch-docs pattern), two graphs captured on a fresh
     stream sharing a pool that held garbage; replay the second graph first, then the first.
     Captured launches take counters of their own from the arena zeroed before the capture
-    (none are allocated inside it, nor shared with the capture stream's eager calls)."""
+    (none are allocated inside it, nor shared with the capture stream's eager calls), so they
+    merge in the verify launch: no captured launch falls back to a second merge launch."""
     from splitkv import workspace as workspace_mod
+    from splitkv.plan import VerifyPlan
+
+    separated, real = [], VerifyPlan._separate
+    monkeypatch.setattr(VerifyPlan, "_separate", lambda self, step: separated.append(1) or real(self, step))
 
     p = model_problem("llama3-8b", [6000] * 4)
     stream = torch.cuda.Stream()
@@ -395,7 +400,7 @@ def test_counters_first_allocated_inside_a_capture():
     torch.cuda.synchronize()
     key = (torch.cuda.current_device(), stream.cuda_stream)
     assert key not in workspace_mod._COUNTERS, "a capture took the stream's eager counters"
-    assert last_plan().fused, "the captures fell back to a second merge launch"
+    assert last_plan().fused and not separated, "the captures fell back to a second merge launch"
     graphs[1].replay()
     graphs[0].replay()
     torch.cuda.synchronize()

@@ -600,8 +600,9 @@ def test_merge_programs_give_way_when_the_kernel_spills(monkeypatch):
     monkeypatch.setattr(Launcher, "spills", lambda self, args, grid: True)
     out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
     assert len(plan.spilling) == 1
-    plan.rebind(p.qo_indptr, p.kv_indptr, p.kv_indices, sinks=p.sinks)
     assert plan.merge == SEPARATE_MERGE and not plan.fused and plan.grid[1] == plan.n_splits
+    plan.rebind(p.qo_indptr, p.kv_indptr, p.kv_indices, sinks=p.sinks)
+    assert plan.merge == SEPARATE_MERGE and not plan.fused
     again = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
     spread = plan_of(VerifySplitKV(*shape, DEVICE, one_launch=False), p)
     ref = spread.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
