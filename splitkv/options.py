@@ -23,7 +23,7 @@ import os
 import typing
 from typing import Dict, NamedTuple, Optional, Tuple, Union
 
-__all__ = ["VerifyOptions", "METADATA", "TENSORS", "split_options", "option_names", "check_from_env",
+__all__ = ["VerifyOptions", "METADATA", "TENSORS", "split_options", "metadata_of", "option_names", "check_from_env",
            "CHECK_ENV", "CHECK_MODES"]
 
 #: The tensors every entry takes first, positionally, in ``extend_attention_fwd``'s order
@@ -195,6 +195,18 @@ def split_options(options: Dict[str, object]) -> Tuple[VerifyOptions, Dict[str, 
     """
     meta = {name: options.pop(name, None) for name in METADATA}
     return VerifyOptions(**options).checked(), meta
+
+
+def metadata_of(tensors: Dict[str, object]) -> Dict[str, object]:
+    """Keyword arguments naming metadata tensors into ``{metadata name: tensor or None}``.
+
+    Raises:
+        TypeError: for a keyword that is not in :data:`METADATA`.
+    """
+    unknown = sorted(set(tensors) - set(METADATA))
+    if unknown:
+        raise TypeError(f"the metadata tensors are {METADATA}, not {unknown}")
+    return {name: tensors.get(name) for name in METADATA}
 
 
 def check_from_env() -> Union[bool, str]:

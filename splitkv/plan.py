@@ -43,7 +43,7 @@ from .kernels.common import LOG2E
 from .kernels.merge import _merge_kernel
 from .kernels.verify import _verify_kernel
 from .launch import Launcher, _specialization, alignment_bits, capturing, current_stream, free_raw, supports_pdl
-from .options import METADATA, VerifyOptions, split_options
+from .options import VerifyOptions, metadata_of, split_options
 from .resources import rope_dim, shares_rows
 from .schedule import (MAX_GRID_SPLITS, MAX_SPLITS, MERGE_PROGRAMS, SEPARATE_MERGE, SPIN_LIMIT, LaunchLimitError,
                        SplitPlan, TileConfig, VerifyParams, cdiv, count_splits, device_facts, element_size,
@@ -232,13 +232,21 @@ class VerifySplitKV:
             TypeError: for an unknown option, one the runner fixed, or an
                 ``is_causal`` or ``check`` of the wrong type.
         """
+        opts, meta = self.plan_options(options)
+        tensors = (q_extend, k_extend, v_extend, None, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)
+        return self._plan(tensors, meta, opts, attend_draft=attend_draft)
+
+    def plan_options(self, options: dict):
+        """A ``plan()`` call's keywords into ``(VerifyOptions, metadata by name)``: the runner's own limits
+        added, ``check`` off unless given.
+
+        Raises:
+            TypeError: for an unknown keyword, or one the runner fixes.
+        """
         fixed = sorted(set(options) & set(self._limits))
         if fixed:
             raise TypeError(f"{', '.join(fixed)}: fixed by the runner (VerifySplitKV), not by plan()")
-        options.setdefault("check", False)
-        opts, meta = split_options({**options, **self._limits})
-        tensors = (q_extend, k_extend, v_extend, None, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)
-        return self._plan(tensors, meta, opts, attend_draft=attend_draft)
+        return split_options({"check": False, **options, **self._limits})
 
     def _plan(self, tensors: tuple, meta: dict, opts: VerifyOptions, *, attend_draft: bool = True) -> "VerifyPlan":
         """:meth:`plan` for a call's tensors (:data:`splitkv.options.TENSORS`), metadata and options."""
@@ -427,10 +435,7 @@ class VerifyPlan:
             LaunchLimitError: for a ``kv_indices`` too long for one launch (a ``ValueError``).
             TypeError: for a keyword that is not a metadata tensor's name.
         """
-        meta = {name: metadata.pop(name, None) for name in METADATA}
-        if metadata:
-            raise TypeError(f"bind() takes the metadata tensors {METADATA}, not {sorted(metadata)}")
-        return self._bind(qo_indptr, kv_indptr, kv_indices, meta)
+        return self._bind(qo_indptr, kv_indptr, kv_indices, metadata_of(metadata))
 
     def rebind(self, qo_indptr, kv_indptr, kv_indices, **metadata) -> None:
         """Bind another step's metadata of the same signature and keep it as the plan's :attr:`step`.

@@ -3,6 +3,7 @@ plan may be shared by threads, and a kernel that cannot be compiled for the devi
 
 import threading
 
+import pytest
 import torch
 import triton
 
@@ -114,3 +115,18 @@ def test_a_compile_that_runs_out_of_resources_declines(monkeypatch):
     clear_caches()
     out = verify_attention(*p.tensors(None), **p.options())
     assert_matches_reference(out, p)  # the baseline
+
+
+def test_plan_and_bind_refuse_keywords_that_are_not_theirs():
+    """plan() takes the option list but the runner's own limits; bind() and rebind() take the
+    metadata tensors by name and nothing else."""
+    p = _problem()
+    plan = _plan(p)
+    runner = plan.runner
+    with pytest.raises(TypeError, match="max_len_extend: fixed by the runner"):
+        runner.plan(*_layer(p), p.qo_indptr, p.kv_indptr, p.kv_indices, max_len_extend=3)
+    with pytest.raises(TypeError):
+        runner.plan(*_layer(p), p.qo_indptr, p.kv_indptr, p.kv_indices, no_such_option=1)
+    for fn in (plan.bind, plan.rebind):
+        with pytest.raises(TypeError, match="metadata tensors"):
+            fn(p.qo_indptr, p.kv_indptr, p.kv_indices, is_causal=False)

@@ -21,7 +21,7 @@ import torch
 
 from ..gate import decline
 from ..merge import merge_states
-from ..options import METADATA, VerifyOptions, split_options
+from ..options import VerifyOptions, metadata_of
 from ..plan import VerifyPlan, VerifySplitKV
 from ..validate import check_output
 from ..launch import capturing
@@ -104,11 +104,7 @@ class ContextParallelVerify:
                 absolute positions, which a shard does not see) and for calls the split path
                 declines (bf16 under the interpreter, more than 64 drafts per sequence, ...).
         """
-        fixed = sorted(set(options) & set(self.runner._limits))
-        if fixed:
-            raise TypeError(f"{', '.join(fixed)}: fixed by the runner, not by plan()")
-        options.setdefault("check", False)
-        opts, meta = split_options({**options, **self.runner._limits})
+        opts, meta = self.runner.plan_options(options)
         tensors = (q_extend, k_extend, v_extend, None, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)
         return self._plan(tensors, meta, opts)
 
@@ -239,10 +235,7 @@ class ContextParallelPlan:
     def rebind(self, qo_indptr, kv_indptr, kv_indices, **metadata) -> None:
         """Point the plan at another step's metadata of the same signature (see :meth:`splitkv.VerifyPlan.rebind`;
         ``metadata``: the tensors of :data:`splitkv.options.METADATA` by name)."""
-        meta = {name: metadata.pop(name, None) for name in METADATA}
-        if metadata:
-            raise TypeError(f"rebind() takes the metadata tensors {METADATA}, not {sorted(metadata)}")
-        kv_indices, meta = self.cp._local_metadata(kv_indices, meta)
+        kv_indices, meta = self.cp._local_metadata(kv_indices, metadata_of(metadata))
         self.local.rebind(qo_indptr, kv_indptr, kv_indices, **meta)
 
     # The three stages, separately (the benchmark times them one by one).
