@@ -67,7 +67,7 @@ demo: $(CORE_STAMP)
 test: $(ALL_STAMP)
 	$(BIN)/python -m pytest -q tests --ignore=tests/browser
 	SPLITKV_SOLUTIONS=1 $(BIN)/python -m pytest -q --nbval notebooks --nbval-sanitize-with notebooks/nbval_sanitize.cfg
-	$(BIN)/mkdocs build --strict --quiet
+	$(BIN)/mkdocs build --strict
 	$(BIN)/python -m pytest -q tests/browser
 
 ## Open the tutorial notebooks in JupyterLab (it prints the address to open).

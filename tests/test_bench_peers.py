@@ -496,6 +496,7 @@ def test_flashinfer_calls_bind_to_its_api(monkeypatch):
     assert run_a[2].data_ptr() == fl.k_pages.data_ptr() and run_k["out"] is out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fakes the device name and properties: CPU only")
 def test_sweep_end_to_end_on_the_cpu(monkeypatch, tmp_path, capsys):
     """run_sweep and the writers on two tiny rows sharing one draw: JSON after every row, then .md and .png."""
     from splitkv.bench import timing
