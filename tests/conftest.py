@@ -35,12 +35,41 @@ MIN_SPLIT = min_split_tokens()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
+#: Exit status of a test process whose CUDA context a test broke (``python -m splitkv.bench.validate``
+#: starts a new process for the tests after it).
+CONTEXT_LOST_EXIT = 70
+#: Where each test's outcome is appended as a JSON line, when set (the validation's test processes set it).
+OUTCOMES = os.environ.get("SPLITKV_TEST_OUTCOMES")
+
+
+def _log_outcome(nodeid, outcome, message=""):
+    with open(OUTCOMES, "a") as f:
+        f.write(json.dumps({"id": nodeid, "outcome": outcome, "message": message[:300]}) + "\n")
+
+
+def pytest_runtest_logreport(report):
+    """With ``SPLITKV_TEST_OUTCOMES`` set: one line per test phase that decides an outcome (a passed call,
+    a skip, a failure or error in any phase)."""
+    if OUTCOMES and (report.when == "call" or report.outcome != "passed"):
+        outcome = report.outcome if report.when == "call" or report.skipped else "error"
+        message = str(report.longrepr.reprcrash.message) if getattr(report.longrepr, "reprcrash", None) else ""
+        _log_outcome(report.nodeid, outcome, message)
+
+
 @pytest.fixture(autouse=True)
-def _no_fault_left_pending():
+def _no_fault_left_pending(request):
     """Each test consumes the faults its checked calls store: on a GPU a checked kernel reports through the
     device's fault log after the call has returned, and a fault left there would be raised by the next
-    test's first checked call instead."""
+    test's first checked call instead. A test that broke the process's CUDA context (an illegal address, a
+    device-side assert) ends the process: every later test in it would fail for that test's fault."""
     yield
+    if CUDA:
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            if OUTCOMES:
+                _log_outcome(request.node.nodeid, "context-lost", str(e))
+            pytest.exit(f"{request.node.nodeid} broke this process's CUDA context: {e}", returncode=CONTEXT_LOST_EXIT)
     try:
         check_device_errors(DEVICE)
     except VerifyError as e:

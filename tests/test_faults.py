@@ -136,7 +136,8 @@ def test_threads_sharing_the_entries_get_exact_outputs_and_their_own_faults():
             except VerifyError:
                 raised += 1
                 continue
-            assert_matches_reference(out, case)
+            if case is not bad:  # on a GPU the bad call returns before its fault is read; its slot has no oracle
+                assert_matches_reference(out, case)
         if CUDA:
             torch.cuda.synchronize()
         try:

@@ -17,6 +17,8 @@ Host times depend on the CPU: compare entries within one run.
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 
 import torch
 
@@ -50,20 +52,28 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m splitkv.bench.host", description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=300, help="timed calls per round (default: 300)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per entry, the fastest kept (default: 3)")
+    parser.add_argument("--json", metavar="PATH", help="also write the table here (device, date, one row per line)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     timer = Timer(host_calls=args.calls)
-    print(f"host µs per eager call, {torch.cuda.get_device_name()}, fastest of {args.rounds} medians "
-          f"of {args.calls} calls")
+    device = torch.cuda.get_device_name()
+    print(f"host µs per eager call, {device}, fastest of {args.rounds} medians of {args.calls} calls")
+    rows = []
     for model, shape in MODEL_SHAPES.items():
         for bs, prefix in CASES:
             for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
                 p = make_problem([prefix] * bs, 4, shape.num_q_heads, shape.num_kv_heads, shape.head_dim,
                                  dtype=torch.bfloat16, kv_dtype=kv_dtype, device="cuda", seed=0)
                 times = {name: min(timer.host(fn) for _ in range(args.rounds)) for name, fn in entries(p).items()}
+                kv = str(kv_dtype).split(".")[-1]
+                rows.append(dict(model=model, batch=bs, prefix=prefix, kv_dtype=kv, host_us=times))
                 cells = " ".join(f"{name}={t:.1f}" for name, t in times.items())
-                print(f"{model:<11} bs {bs:<2} {prefix:>6} {str(kv_dtype).split('.')[-1]:<14} {cells}", flush=True)
+                print(f"{model:<11} bs {bs:<2} {prefix:>6} {kv:<14} {cells}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=device, date=datetime.date.today().isoformat(), command="python -m splitkv.bench.host",
+                           calls=args.calls, rounds=args.rounds, rows=rows), f, indent=1)
     return 0
 
 
