@@ -23,7 +23,7 @@ CORE_STAMP  := $(VENV)/.installed-core
 BENCH_STAMP := $(VENV)/.installed-bench
 ALL_STAMP   := $(VENV)/.installed-all
 
-.PHONY: demo test docs notebooks bench check-gpu setup setup-all reinstall
+.PHONY: demo test docs notebooks bench validate check-gpu setup setup-all reinstall
 
 $(BIN)/activate:
 	@echo ">> Creating the virtual environment $(VENV)"
@@ -84,8 +84,14 @@ bench: check-gpu
 	@$(MAKE) --no-print-directory $(BENCH_STAMP)
 	$(BIN)/python -m splitkv.bench
 
+## Re-validate the package on a GPU (about 8 minutes): every test in parallel processes, compute-sanitizer,
+## the golden outputs, host times and the quick benchmark against the committed records (figures/validation_<gpu>/).
+validate: check-gpu
+	@$(MAKE) --no-print-directory $(BENCH_STAMP)
+	$(BIN)/python -m splitkv.bench.validate
+
 # An NVIDIA GPU (nvidia-smi lists one) or an AMD one (/dev/kfd, ROCm), else stop at once.
 check-gpu:
 	@if nvidia-smi -L >/dev/null 2>&1 || [ -e /dev/kfd ]; then :; else \
-	echo "make bench needs a GPU (nvidia-smi finds none here). On a CPU, make demo runs the kernels" \
+	echo "make $(MAKECMDGOALS) needs a GPU (nvidia-smi finds none here). On a CPU, make demo runs the kernels" \
 	     "through Triton's interpreter; the H200 results are in figures/benchmark_h200.md."; exit 1; fi

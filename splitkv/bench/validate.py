@@ -311,6 +311,8 @@ def summarise(record: Dict) -> str:
     for run in record.get("sanitizer", []):
         state = "" if run["complete"] else " (incomplete: " + ("time limit" if run["timed_out"] else "no summary") + ")"
         lines.append(f"{run['name']}: {run['errors']} errors; pytest: {run['pytest']}{state}")
+    if record.get("sanitizer_missing"):
+        lines.append(f"sanitizer: not run ({record['sanitizer_missing']})")
     golden = record.get("golden")
     if golden:
         lines.append(f"golden: {golden['summary']}")
@@ -392,54 +394,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for run, job in zip(SANITIZER_RUNS, san_jobs)] if tool else []
         if not tool:
             record["sanitizer_missing"] = "compute-sanitizer not found"
-    # On a quiet GPU (the golden problems need memory; the host times and the benchmark need quiet).
-    golden_job = None
-    golden_ref = os.path.join("figures", f"golden_{tag}.json")
-    golden_new = os.path.join(out, "golden.json")
+    # On a quiet GPU: the golden problems need memory, the host times and the benchmark need quiet.
     if "golden" in args.parts:
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden.py")
-        steps = []
-        if args.golden_from:
-            golden_ref = os.path.join(out, "golden_reference.json")
-            steps.append(f"cd {args.golden_from} && PYTHONPATH={args.golden_from} {python} {script} "
-                         f"--write {os.path.abspath(golden_ref)}")
-        if args.golden_from or os.path.exists(golden_ref):
-            steps.append(f"{python} -m splitkv.bench.golden --check {golden_ref} --out {golden_new}")
-        else:
-            steps.append(f"{python} -m splitkv.bench.golden --write {golden_new}")
-        golden_job = Job.start("golden", ["bash", "-c", " && ".join(steps)], os.path.join(out, "golden.log"), 180)
-        wait_all([golden_job])
-    if golden_job:
-        log = open(golden_job.log, errors="replace").read().strip().splitlines()
-        verdict = (_load(golden_new) or {}).get("verdict")
-        ok = golden_job.proc.returncode == 0 and not golden_job.timed_out
-        record["golden"] = {"reference": golden_ref, "verdict": verdict, "passed": ok,
-                            "summary": (log[-1] if log else "no output") + ("" if ok else " -- FAILED")}
-
+        record["golden"] = golden_part(out, tag, args.golden_from, python)
     if "host" in args.parts:
-        host_json = os.path.join(out, "host.json")
-        job = Job.start("host", [python, "-m", "splitkv.bench.host", "--json", host_json],
-                        os.path.join(out, "host.log"), 120)
-        wait_all([job])
-        new, old = _load(host_json), _load(os.path.join("figures", f"host_{tag}.json"))
-        ratios = host_ratios(new, old) if new and old else []
-        by_entry = {}
-        for r in ratios:
-            by_entry.setdefault(r["entry"], []).append(r["ratio"])
-        record["host"] = {"ratios": ratios, "summary": (
-            "; ".join(f"{e} {_span(v)}" for e, v in by_entry.items()) + f" of {old['date']}" if ratios else
-            "no committed record for this GPU: this run is the first" if new else "failed (see host.log)")}
+        record["host"] = host_part(out, tag, python)
     if "bench" in args.parts:
-        bench_json = os.path.join(out, "bench_quick.json")
-        job = Job.start("bench", [python, "-m", "splitkv.bench", "--quick", "--out", bench_json, "--figures", out],
-                        os.path.join(out, "bench.log"), 120)
-        wait_all([job])
-        new, old = _load(bench_json), _load(os.path.join("figures", f"benchmark_{tag}.json"))
-        ratios = bench_ratios(new, old) if new and old else []
-        record["bench"] = {"ratios": ratios, "summary": (
-            f"graph {_span([r['graph_ratio'] for r in ratios if 'graph_ratio' in r])}, host "
-            f"{_span([r['host_us_ratio'] for r in ratios if 'host_us_ratio' in r])} of {old['date']}" if ratios else
-            "no committed rows for this GPU: this run is the first" if new else "failed (see bench.log)")}
+        record["bench"] = bench_part(out, tag, python)
 
     with open(os.path.join(out, "record.json"), "w") as f:
         json.dump(record, f, indent=1)
@@ -448,6 +409,58 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f.write(summary + "\n")
     print(summary)
     return 0 if verdict_ok(record) else 1
+
+
+def golden_part(out: str, tag: str, golden_from: Optional[str], python: str) -> Dict[str, object]:
+    """The golden outputs against ``figures/golden_<tag>.json``, or against those of the package in
+    ``golden_from`` made first in the same run; with neither, this code's outputs become the record."""
+    reference = os.path.join("figures", f"golden_{tag}.json")
+    new = os.path.join(out, "golden.json")
+    steps = []
+    if golden_from:
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden.py")
+        reference = os.path.join(out, "golden_reference.json")
+        steps.append(f"cd {golden_from} && PYTHONPATH={golden_from} {python} {script} "
+                     f"--write {os.path.abspath(reference)}")
+    if golden_from or os.path.exists(reference):
+        steps.append(f"{python} -m splitkv.bench.golden --check {reference} --out {new}")
+    else:
+        steps.append(f"{python} -m splitkv.bench.golden --write {new}")
+    job = Job.start("golden", ["bash", "-c", " && ".join(steps)], os.path.join(out, "golden.log"), 180)
+    wait_all([job])
+    log = open(job.log, errors="replace").read().strip().splitlines()
+    ok = job.proc.returncode == 0 and not job.timed_out
+    return {"reference": reference, "verdict": (_load(new) or {}).get("verdict"), "passed": ok,
+            "summary": (log[-1] if log else "no output") + ("" if ok else " -- FAILED")}
+
+
+def host_part(out: str, tag: str, python: str) -> Dict[str, object]:
+    """The host-time table, and per entry the span of its ratios to ``figures/host_<tag>.json``."""
+    path = os.path.join(out, "host.json")
+    job = Job.start("host", [python, "-m", "splitkv.bench.host", "--json", path], os.path.join(out, "host.log"), 120)
+    wait_all([job])
+    new, old = _load(path), _load(os.path.join("figures", f"host_{tag}.json"))
+    ratios = host_ratios(new, old) if new and old else []
+    by_entry: Dict[str, List[float]] = {}
+    for r in ratios:
+        by_entry.setdefault(r["entry"], []).append(r["ratio"])
+    summary = ("; ".join(f"{e} {_span(v)}" for e, v in by_entry.items()) + f" of {old['date']}" if ratios else
+               "no committed record for this GPU: this run is the first" if new else "failed (see host.log)")
+    return {"ratios": ratios, "summary": summary}
+
+
+def bench_part(out: str, tag: str, python: str) -> Dict[str, object]:
+    """The quick benchmark, and the span of splitkv's ratios to the rows of ``figures/benchmark_<tag>.json``."""
+    path = os.path.join(out, "bench_quick.json")
+    job = Job.start("bench", [python, "-m", "splitkv.bench", "--quick", "--out", path, "--figures", out],
+                    os.path.join(out, "bench.log"), 120)
+    wait_all([job])
+    new, old = _load(path), _load(os.path.join("figures", f"benchmark_{tag}.json"))
+    ratios = bench_ratios(new, old) if new and old else []
+    summary = (f"graph {_span([r['graph_ratio'] for r in ratios if 'graph_ratio' in r])}, host "
+               f"{_span([r['host_us_ratio'] for r in ratios if 'host_us_ratio' in r])} of {old['date']}" if ratios else
+               "no committed rows for this GPU: this run is the first" if new else "failed (see bench.log)")
+    return {"ratios": ratios, "summary": summary}
 
 
 def verdict_ok(record: Dict) -> bool:
