@@ -12,8 +12,8 @@ import threading
 import pytest
 import torch
 
-from conftest import CUDA, DEVICE, assert_matches_reference
-from splitkv import VerifyError, VerifySplitKV, check_device_errors, verify_attention
+from conftest import CUDA, DEVICE, assert_matches_reference, gpu
+from splitkv import VerifyError, VerifySplitKV, check_device_errors, verify_attention, verify_splitkv_fwd
 from splitkv.api import _CACHES, clear_caches
 from splitkv.errors import EAGER_SLOTS, fault_log, raise_pending_faults
 from splitkv.kernels.common import ERR_COUNTERS, ERR_SLOT
@@ -194,3 +194,64 @@ def test_a_log_in_device_memory_is_read_when_the_host_waits():
         log.raise_pending(scan=True)
     assert int(log.words.count_nonzero()) == 0
     log.raise_pending(scan=True)  # raised once
+
+
+# --- real concurrency: on a GPU the kernel itself writes the report ------------------------------------
+
+def _drop_in_call(p, out):
+    return lambda: verify_splitkv_fwd(*p.args(out), **p.kwargs(), check=True)
+
+
+@gpu
+def test_a_fault_inside_a_captured_graph_is_raised_by_check_device_errors():
+    """A checked drop-in captured with good slots; replayed after one slot is moved out of the pool, its
+    kernel's report reaches the host at the next check_device_errors, blamed on a captured launch."""
+    from splitkv.testing.graphs import capture_graph
+
+    p = _problem()
+    out = p.new_output()
+    graph = capture_graph(_drop_in_call(p, out))
+    graph.replay()
+    torch.cuda.synchronize()
+    check_device_errors(DEVICE)  # good slots: nothing pending
+    assert_matches_reference(out, p)
+    good = p.kv_indices[3].item()
+    p.kv_indices[3] = 10**6
+    graph.replay()
+    with pytest.raises(VerifyError, match=r"kv_indices holds a slot .*outside the pool.*captured"):
+        check_device_errors(DEVICE)
+    p.kv_indices[3] = good
+    graph.replay()
+    torch.cuda.synchronize()
+    check_device_errors(DEVICE)  # raised once; the graph runs on
+    assert_matches_reference(out, p)
+
+
+@gpu
+def test_a_fault_on_one_stream_is_raised_once_beside_good_calls_on_another():
+    """A bad call on a side stream, then good calls on the default stream while it may still run: the good
+    outputs are exact and the bad call's report is raised exactly once in this thread (by whichever of
+    its later calls, or the final check, first sees it)."""
+    good, bad = _problem(), _problem()
+    bad.kv_indices[3] = 10**6
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    outs = [good.new_output() for _ in range(3)]
+    raised = []
+
+    def counting(call):
+        try:
+            call()
+        except VerifyError as e:
+            raised.append(str(e))
+
+    with torch.cuda.stream(side):
+        counting(_drop_in_call(bad, bad.new_output()))
+    for out in outs:
+        counting(_drop_in_call(good, out))
+    torch.cuda.synchronize()
+    counting(lambda: check_device_errors(DEVICE))
+    counting(lambda: check_device_errors(DEVICE))
+    assert len(raised) == 1 and "outside the pool" in raised[0], raised
+    for out in outs:
+        assert_matches_reference(out, good)
