@@ -229,14 +229,15 @@ def test_a_fault_inside_a_captured_graph_is_raised_by_check_device_errors():
 
 @gpu
 def test_a_fault_on_one_stream_is_raised_once_beside_good_calls_on_another():
-    """A bad call on a side stream, then good calls on the default stream while it may still run: the good
-    outputs are exact and the bad call's report is raised exactly once in this thread (by whichever of
-    its later calls, or the final check, first sees it)."""
+    """Good calls queued on the default stream, then a bad call on a side stream while they run: the good
+    outputs are exact and the bad call's report is raised exactly once (by the bad call itself if its kernel
+    is done before the call returns, else by check_device_errors)."""
     good, bad = _problem(), _problem()
     bad.kv_indices[3] = 10**6
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
     outs = [good.new_output() for _ in range(3)]
+    for out in outs:
+        _drop_in_call(good, out)()
+    side = torch.cuda.Stream()
     raised = []
 
     def counting(call):
@@ -247,8 +248,6 @@ def test_a_fault_on_one_stream_is_raised_once_beside_good_calls_on_another():
 
     with torch.cuda.stream(side):
         counting(_drop_in_call(bad, bad.new_output()))
-    for out in outs:
-        counting(_drop_in_call(good, out))
     torch.cuda.synchronize()
     counting(lambda: check_device_errors(DEVICE))
     counting(lambda: check_device_errors(DEVICE))
