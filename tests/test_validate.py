@@ -93,6 +93,8 @@ def test_a_test_keeps_its_worst_outcome_and_unrecorded_tests_did_not_run(tmp_pat
 def test_sanitizer_errors_are_counted_from_its_summaries():
     log = "x\n========= ERROR SUMMARY: 3 errors\n...\n== 5 passed in 2.0s ==\n========= ERROR SUMMARY: 0 errors\n"
     assert validate.read_sanitizer(log, timed_out=False) == {"errors": 3, "complete": True, "pytest": "5 passed in 2.0s"}
+    race = validate.read_sanitizer("========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n", False)
+    assert race["errors"] == 0 and race["complete"]
     cut = validate.read_sanitizer("========= Invalid __global__ read\n", timed_out=True)
     assert cut["errors"] == 1 and not cut["complete"]
     record = {"sanitizer": [{"errors": 0, "complete": False}]}
