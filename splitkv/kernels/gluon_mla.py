@@ -1,0 +1,307 @@
+"""MLA verify for sm_90 in Gluon: two warpgroups share one score tile.
+
+What it computes is the split path's MLA verify (:mod:`splitkv.kernels.verify`,
+"MLA"): one KV head whose key is ``[latent (DV = 512) | rope (ROPE_DIM = 64)]``
+and whose value is the latent itself, every query head and draft token of a
+sequence in one tile of ``BLOCK_M = 64`` rows::
+
+    tile row r  ->  draft token l = r // NUM_Q_HEADS,  query head h = r % NUM_Q_HEADS
+
+(with 128 heads a tile holds one draft token's 64 heads; with 16 heads, 4
+draft tokens' 16). The grid, the slices of the prefix, the partial outputs
+and their LSEs are the verify kernel's (``_tile_slices``, ``Part_O`` /
+``Part_LSE`` in its layout), so its second merge launch (``_merge_kernel``)
+combines them unchanged; a tile with one slice writes its output itself.
+
+Why a second kernel. Triton's ``tl.dot`` lays a 64-row dot of an 8-warp
+program over both warpgroups by splitting the *rows*: each warpgroup then
+needs every key column of the score tile and computes the whole score tile
+``[64, BLOCK_N]`` over 576 columns, twice in all. Here the warpgroups split
+*columns* (``NVMMADistributedLayout(warps_per_cta=[4, 2])``)::
+
+    S [64, BLOCK_N]   = Q [64, 576] K^T        warpgroup w: key columns  w * BLOCK_N/2 + [0, BLOCK_N/2)
+    O [64, DV]       += P [64, BLOCK_N] V       warpgroup w: value columns w * DV/2 + [0, DV/2)
+
+so each score is computed once. The softmax needs whole rows: the row max
+and row sum reduce across both warpgroups (through shared memory, which the
+compiler arranges), and P goes through shared memory (bf16), where each
+warpgroup writes its key columns and reads all of them as the A operand of
+its half of ``P V``. Tensor work per key: ``2 * 64 * (576 + 512)`` flops,
+none duplicated (the ``tl`` kernel does ``2 * 64 * (2 * 576 + 512)``).
+
+Shared memory, per program::
+
+    q_smem  [64, DV] + qr_smem [64, ROPE_DIM]            the query tile, loaded once (bf16)
+    kv_smem [STAGES, BLOCK_N, DV]                        latent rows: K's first chunk and V, loaded once
+    kr_smem [STAGES, BLOCK_N, ROPE_DIM]                  rope rows: K's second chunk
+    p_smem  [64, BLOCK_N]                                the probabilities, bf16
+
+all in NVMMA layouts (128-byte swizzle), the layouts ``wgmma`` reads. The
+score dot reads a latent tile transposed (``permute``: K-major B), the value
+dot reads the same bytes as they are (N-major B): each latent row is gathered
+once and used twice.
+
+Pipeline. Key rows are gathered through ``kv_indices`` with ``cp.async``
+(``async_copy_global_to_shared``, 16 bytes per copy, rows whose slot is out
+of range zero-filled and masked out of the scores), ``STAGES - 1`` key tiles
+ahead of the tile being computed; one commit group per tile, so "tile ``i``
+has landed" is ``wait_group(STAGES - 2)``. Each step:
+
+1. wait for tile ``i``'s copies, fence them to the async proxy (``wgmma``
+   reads shared memory through it), barrier: tile ``i`` is visible to every
+   warp, and every warp has finished step ``i - 1`` (its reads of the stage
+   about to be refilled, and of ``p_smem``);
+2. issue tile ``i + STAGES - 1``'s copies into the stage step ``i - 1`` read;
+3. ``S = Q_latent K_latent^T + Q_rope K_rope^T`` (two ``wgmma``, one
+   accumulator), scale, mask, online softmax in base 2 (scores pre-multiplied
+   by ``log2 e``, as in the ``tl`` kernel);
+4. P to ``p_smem``, fence, barrier; rescale ``O`` by ``2^(m_old - m_new)``;
+   ``O += P V``.
+
+The ``wgmma`` are synchronous (each waits for its result): this is the
+smallest version, without warp specialisation or overlap of the two dots.
+
+The last slice's program also takes the draft block: the draft rows
+(``k_extend``, values their latent columns) come through the same stages,
+causally masked (draft ``j`` visible to row ``l`` iff ``j <= l``) or all
+visible, with the draft score scale.
+
+Limits, checked by the host (:mod:`splitkv.gluon_mla`): bf16 queries, pools
+and drafts; a token pool; values a view of the keys' latent columns, in the
+pool and in the draft block; no sinks, windows, soft cap, xai temperature,
+custom masks or checked mode; the output's partials in bf16 (``O`` bf16).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+from .common import _tile_slices
+
+#: Rows of a tile (heads x drafts; the host reads ``BLOCK_M.value``) and warps of a program: two warpgroups.
+BLOCK_M = gl.constexpr(64)
+NUM_WARPS = 8
+
+
+@gluon.jit
+def _gather_rows(dst, Base, row, ok, COLS: gl.constexpr, layout: gl.constexpr):
+    """``cp.async`` of ``COLS`` columns of the rows at element offsets ``row`` (from ``Base``) into
+    ``dst`` ``[rows, COLS]``; rows with ``ok`` false are zero-filled (``cp.async`` with source size 0)."""
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    async_copy.async_copy_global_to_shared(dst, Base + row[:, None] + cols[None, :], mask=ok[:, None])
+
+
+@gluon.jit
+def _load_keys(kv_dst, kr_dst, Base, first, n_keys, stride_row, Index, pool_tokens, USE_INDEX: gl.constexpr,
+               BLOCK_N: gl.constexpr, DV: gl.constexpr, ROPE_DIM: gl.constexpr,
+               lat_layout: gl.constexpr, rope_layout: gl.constexpr):
+    """Issue the copies of key rows ``first + [0, BLOCK_N)`` (those below ``n_keys``) into one stage.
+
+    ``USE_INDEX``: key ``n`` is pool row ``Index[n]`` (a token-pool slot, bounds-checked: a slot
+    outside ``[0, pool_tokens)`` is zero-filled, and its score masked by the caller); else row
+    ``n`` of ``Base`` (the draft block). The slots are loaded once per layout (the latent and rope
+    copies spread rows over threads differently); the second load hits L1.
+    """
+    n_lat = first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lat_layout))
+    n_rope = first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rope_layout))
+    ok_lat = n_lat < n_keys
+    ok_rope = n_rope < n_keys
+    if USE_INDEX:
+        s_lat = gl.load(Index + n_lat, mask=ok_lat, other=0)
+        s_rope = gl.load(Index + n_rope, mask=ok_rope, other=0)
+        ok_lat = ok_lat & (s_lat >= 0) & (s_lat < pool_tokens)
+        ok_rope = ok_rope & (s_rope >= 0) & (s_rope < pool_tokens)
+        r_lat = s_lat.to(gl.int64) * stride_row
+        r_rope = s_rope.to(gl.int64) * stride_row + DV
+    else:
+        r_lat = n_lat.to(gl.int64) * stride_row
+        r_rope = n_rope.to(gl.int64) * stride_row + DV
+    _gather_rows(kv_dst, Base, r_lat, ok_lat, DV, lat_layout)
+    _gather_rows(kr_dst, Base, r_rope, ok_rope, ROPE_DIM, rope_layout)
+
+
+@gluon.jit
+def _slot_ok(Index, first, n_keys, pool_tokens, USE_INDEX: gl.constexpr, BLOCK_N: gl.constexpr,
+             s_layout: gl.constexpr):
+    """Which key columns of the score tile are real keys (in range, and a slot inside the pool)."""
+    n = first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    ok = n < n_keys
+    if USE_INDEX:
+        slot = gl.load(Index + n, mask=ok, other=0)
+        ok = ok & (slot >= 0) & (slot < pool_tokens)
+    return n, ok
+
+
+@gluon.jit
+def _attend(q_smem, qr_smem, kv, kr, p_smem, visible, qk_scale, m_i, l_i, acc,
+            BLOCK_N: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """One online-softmax step over a key tile held in shared memory (see the module docstring)."""
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    s = warpgroup_mma(q_smem, kv.permute((1, 0)), s, use_acc=False)
+    s = warpgroup_mma(qr_smem, kr.permute((1, 0)), s)
+    s = gl.where(visible, s * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    # Shift by 0 where a row is still empty: avoids (-inf) - (-inf) = NaN.
+    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_shift)
+    p = gl.exp2(s - m_shift[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    p_smem.store(p.to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()  # both warpgroups' key columns of P written
+    # The score and output layouts spread rows alike (both [4, 2] warps, 16-row instructions).
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    acc = warpgroup_mma(p_smem, kv, acc)
+    return m_new, l_i, acc
+
+
+@gluon.jit
+def _landed(n_outstanding: gl.constexpr):
+    """Wait until at most ``n_outstanding`` copy groups are pending (this thread's), make the landed
+    bytes visible to ``wgmma`` (async proxy), and barrier so every thread's copies are."""
+    async_copy.wait_group(n_outstanding)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit(do_not_specialize=["lse_offset", "num_tokens", "pool_tokens", "kv_len", "n_splits", "min_split"])
+def _gluon_mla_kernel(
+    Q, K_Ext, K_Buf, O, LSE_Out,
+    qo_indptr, kv_indptr, kv_indices,
+    Part_O, lse_offset,  # scratch: partial outputs (bf16), then (at lse_offset float32 words) partial LSEs
+    qk_scale_prefix,  # sm_scale * k_scale * log2(e)
+    qk_scale_draft,  # sm_scale * log2(e)
+    v_scale,
+    num_tokens,  # rows of q/k_extend and the output
+    pool_tokens,  # rows of k_buffer
+    kv_len,  # entries of kv_indices
+    n_splits,  # grid axis 1
+    min_split,  # fewest keys per slice (a multiple of BLOCK_N)
+    stride_qt, stride_qh,
+    stride_ket,  # k_extend: one KV head, so the head stride never enters
+    stride_kbt,  # k_buffer: per slot
+    stride_ot, stride_oh,
+    NUM_Q_HEADS: gl.constexpr,
+    M_BLOCKS: gl.constexpr,  # row blocks per sequence: cdiv(NUM_Q_HEADS * max drafts, BLOCK_M)
+    DV: gl.constexpr,  # latent width, the value head dim (512)
+    ROPE_DIM: gl.constexpr,  # rope width (64)
+    BLOCK_N: gl.constexpr,  # keys per tile
+    STAGES: gl.constexpr,  # key tiles in flight (>= 2)
+    IS_CAUSAL: gl.constexpr,  # the draft block: causal chain, else every draft visible
+    WRITE_LSE: gl.constexpr,
+):
+    gl.static_assert(gl.num_warps() == 8, "two warpgroups")
+    gl.static_assert(STAGES >= 2)
+    tile = gl.program_id(0)
+    split = gl.program_id(1)
+    b, head_tile, m_block, q_start, n_draft, kv_start, n_prefix, first_key, split_len, n_used = _tile_slices(
+        tile, qo_indptr, kv_indptr, kv_indptr, num_tokens, kv_len, n_splits, min_split, 0,
+        1, M_BLOCKS, BLOCK_N, 0, 1, False)
+    if (split < n_used) & (m_block * BLOCK_M < n_draft * NUM_Q_HEADS):
+        # Layouts. Scores [64, BLOCK_N] and output [64, DV]: wgmma accumulators, warpgroups side by
+        # side (warps_per_cta [4, 2]): each owns half the columns, every row.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                           instr_shape=[16, BLOCK_N // 2, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                           instr_shape=[16, DV // 2, 16])
+        # Gathers: 8 bf16 (16 bytes, one cp.async) per thread, a warp along a row.
+        lat_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+        rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ROPE_DIM // 8), ROPE_DIM // 8], [8, 1], [1, 0])
+        lat_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], gl.bfloat16)
+        rope_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE_DIM], gl.bfloat16)
+
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, DV],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_M, DV], gl.bfloat16))
+        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, ROPE_DIM],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, ROPE_DIM], gl.bfloat16))
+        kv_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DV], lat_smem)
+        kr_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, ROPE_DIM], rope_smem)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16))
+
+        # The query tile, one commit group ahead of the keys': row r is draft l, head h.
+        r_lat = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lat_layout))
+        r_rope = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rope_layout))
+        l_lat = r_lat // NUM_Q_HEADS
+        l_rope = r_rope // NUM_Q_HEADS
+        q_row_lat = (q_start + l_lat).to(gl.int64) * stride_qt + (r_lat % NUM_Q_HEADS) * stride_qh
+        q_row_rope = (q_start + l_rope).to(gl.int64) * stride_qt + (r_rope % NUM_Q_HEADS) * stride_qh + DV
+        _gather_rows(q_smem, Q, q_row_lat, l_lat < n_draft, DV, lat_layout)
+        _gather_rows(qr_smem, Q, q_row_rope, l_rope < n_draft, ROPE_DIM, rope_layout)
+        async_copy.commit_group()
+
+        # Rows in the accumulators' layouts.
+        rows_s = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        l_s = rows_s // NUM_Q_HEADS
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
+
+        # 1. This slice of the prefix, every key visible.
+        lo = first_key + split * split_len
+        hi = gl.minimum(lo + split_len, n_prefix)
+        Index = kv_indices + kv_start
+        n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+        for t in gl.static_range(STAGES - 1):  # prologue: tiles 0 .. STAGES - 2 (past the slice: empty)
+            _load_keys(kv_smem.index(t), kr_smem.index(t), K_Buf, lo + t * BLOCK_N, hi, stride_kbt, Index,
+                       pool_tokens, True, BLOCK_N, DV, ROPE_DIM, lat_layout, rope_layout)
+            async_copy.commit_group()
+        for i in range(n_tiles):
+            _landed(STAGES - 2)
+            ahead = i + STAGES - 1
+            _load_keys(kv_smem.index(ahead % STAGES), kr_smem.index(ahead % STAGES), K_Buf, lo + ahead * BLOCK_N,
+                       hi, stride_kbt, Index, pool_tokens, True, BLOCK_N, DV, ROPE_DIM, lat_layout, rope_layout)
+            async_copy.commit_group()
+            _, n_ok = _slot_ok(Index, lo + i * BLOCK_N, hi, pool_tokens, True, BLOCK_N, s_layout)
+            visible = (rows_s >= 0)[:, None] & n_ok[None, :]
+            m_i, l_i, acc = _attend(q_smem, qr_smem, kv_smem.index(i % STAGES), kr_smem.index(i % STAGES), p_smem,
+                                    visible, qk_scale_prefix, m_i, l_i, acc, BLOCK_N, s_layout, o_layout)
+        acc = acc * v_scale  # fp8 pools' value scale (1 here), on the slice's output
+        async_copy.wait_group(0)  # the prologue's copies past the slice (empty, but in flight)
+        gl.thread_barrier()  # every warp done with the stages before the draft block refills them
+
+        # 2. The last slice's program also takes the draft block (rows q_start .. of k_extend).
+        if split == n_used - 1:
+            K_Draft = K_Ext + q_start.to(gl.int64) * stride_ket
+            for start in range(0, n_draft, BLOCK_N):
+                _load_keys(kv_smem.index(0), kr_smem.index(0), K_Draft, start, n_draft, stride_ket, Index,
+                           pool_tokens, False, BLOCK_N, DV, ROPE_DIM, lat_layout, rope_layout)
+                async_copy.commit_group()
+                _landed(0)
+                j, j_ok = _slot_ok(Index, start, n_draft, pool_tokens, False, BLOCK_N, s_layout)
+                visible = (l_s < n_draft)[:, None] & j_ok[None, :]
+                if IS_CAUSAL:
+                    visible = visible & (j[None, :] <= l_s[:, None])
+                m_i, l_i, acc = _attend(q_smem, qr_smem, kv_smem.index(0), kr_smem.index(0), p_smem, visible,
+                                        qk_scale_draft, m_i, l_i, acc, BLOCK_N, s_layout, o_layout)
+                gl.thread_barrier()  # every warp done with stage 0 and P before the next draft tile
+
+        # 3. Normalise: the output itself (one slice), or this slice's partial for the merge.
+        row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+        m_o = gl.convert_layout(m_i, row_layout)
+        l_o = gl.convert_layout(l_i, row_layout)
+        has = l_o != 0  # NaN stays NaN, as in the oracle
+        o = acc / gl.where(has, l_o, 1.0)[:, None]
+        lse2 = gl.where(has, m_o + gl.log2(gl.where(has, l_o, 1.0)), float("-inf"))
+        r = gl.arange(0, BLOCK_M, layout=row_layout)
+        rows = m_block * BLOCK_M + r
+        l = rows // NUM_Q_HEADS
+        h = rows % NUM_Q_HEADS
+        row_ok = l < n_draft
+        cols = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
+        if n_used == 1:
+            out_rows = (q_start + l).to(gl.int64)
+            gl.store(O + out_rows[:, None] * stride_ot + (h * stride_oh)[:, None] + cols[None, :],
+                     o.to(O.dtype.element_ty), mask=row_ok[:, None])
+            if WRITE_LSE:
+                gl.store(LSE_Out + out_rows * NUM_Q_HEADS + h, lse2 * 0.6931471805599453, mask=row_ok)
+        else:
+            # The verify kernel's scratch layout (splitkv.kernels.verify, "Merging"): bf16 partials
+            # in the first half of the float32 region, LSEs (base 2) at lse_offset.
+            part = (tile.to(gl.int64) * n_splits + split) * BLOCK_M + r
+            Part_O16 = Part_O.to(gl.pointer_type(gl.bfloat16))
+            gl.store(Part_O16 + part[:, None] * DV + cols[None, :], o.to(gl.bfloat16))
+            gl.store(Part_O + lse_offset + part, lse2)
