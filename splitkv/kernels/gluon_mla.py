@@ -81,6 +81,12 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .common import _tile_slices
 
+#: A barrier across the program's threads: ``thread_barrier`` up to Triton 3.6, ``barrier`` from 3.7.
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+#: cp.async into shared memory: ``async_copy_global_to_shared`` up to 3.6, ``async_load`` from 3.7.
+_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
 #: Rows of a tile (heads x drafts; the host reads ``BLOCK_M.value``) and warps of a program: two warpgroups.
 BLOCK_M = gl.constexpr(64)
 NUM_WARPS = 8
@@ -91,7 +97,7 @@ def _gather_rows(dst, Base, row, ok, COLS: gl.constexpr, layout: gl.constexpr):
     """``cp.async`` of ``COLS`` columns of the rows at element offsets ``row`` (from ``Base``) into
     ``dst`` ``[rows, COLS]``; rows with ``ok`` false are zero-filled (``cp.async`` with source size 0)."""
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-    async_copy.async_copy_global_to_shared(dst, Base + row[:, None] + cols[None, :], mask=ok[:, None])
+    _cp_async(dst, Base + row[:, None] + cols[None, :], mask=ok[:, None])
 
 
 @gluon.jit
@@ -151,9 +157,9 @@ def _attend(q_smem, qr_smem, kv, kr, p_smem, visible, qk_scale, m_i, l_i, acc,
     l_i = l_i * alpha + gl.sum(p, 1)
     p_smem.store(p.to(gl.bfloat16))
     fence_async_shared()
-    gl.thread_barrier()  # both warpgroups' key columns of P written
+    _cta_barrier()  # both warpgroups' key columns of P written
     # The score and output layouts spread rows alike (both [4, 2] warps, 16-row instructions).
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout), assert_trivial=True)[:, None]
     acc = warpgroup_mma(p_smem, kv, acc)
     return m_new, l_i, acc
 
@@ -164,7 +170,7 @@ def _landed(n_outstanding: gl.constexpr):
     bytes visible to ``wgmma`` (async proxy), and barrier so every thread's copies are."""
     async_copy.wait_group(n_outstanding)
     fence_async_shared()
-    gl.thread_barrier()
+    _cta_barrier()
 
 
 @gluon.jit(do_not_specialize=["lse_offset", "num_tokens", "pool_tokens", "kv_len", "n_splits", "min_split"])
@@ -261,7 +267,7 @@ def _gluon_mla_kernel(
                                     visible, qk_scale_prefix, m_i, l_i, acc, BLOCK_N, s_layout, o_layout)
         acc = acc * v_scale  # fp8 pools' value scale (1 here), on the slice's output
         async_copy.wait_group(0)  # the prologue's copies past the slice (empty, but in flight)
-        gl.thread_barrier()  # every warp done with the stages before the draft block refills them
+        _cta_barrier()  # every warp done with the stages before the draft block refills them
 
         # 2. The last slice's program also takes the draft block (rows q_start .. of k_extend).
         if split == n_used - 1:
@@ -277,12 +283,12 @@ def _gluon_mla_kernel(
                     visible = visible & (j[None, :] <= l_s[:, None])
                 m_i, l_i, acc = _attend(q_smem, qr_smem, kv_smem.index(0), kr_smem.index(0), p_smem, visible,
                                         qk_scale_draft, m_i, l_i, acc, BLOCK_N, s_layout, o_layout)
-                gl.thread_barrier()  # every warp done with stage 0 and P before the next draft tile
+                _cta_barrier()  # every warp done with stage 0 and P before the next draft tile
 
         # 3. Normalise: the output itself (one slice), or this slice's partial for the merge.
         row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-        m_o = gl.convert_layout(m_i, row_layout)
-        l_o = gl.convert_layout(l_i, row_layout)
+        m_o = gl.convert_layout(m_i, row_layout, assert_trivial=True)
+        l_o = gl.convert_layout(l_i, row_layout, assert_trivial=True)
         has = l_o != 0  # NaN stays NaN, as in the oracle
         o = acc / gl.where(has, l_o, 1.0)[:, None]
         lse2 = gl.where(has, m_o + gl.log2(gl.where(has, l_o, 1.0)), float("-inf"))
