@@ -6,16 +6,20 @@ for is checked where it is installed: the one in this environment, and Triton 3.
 installed aside in ``.venv/triton36`` by ``make triton36`` (or the directory ``SPLITKV_TRITON36``
 names). Each compile must fit sm_90's shared memory, spill nothing, and compute the scores once:
 the score ``wgmma`` is ``BLOCK_N / 2`` wide (each warpgroup takes half the key columns) and the
-value ``wgmma`` 256 (half the value columns).
+value ``wgmma`` 256 (half the value columns). The host side's answers without a GPU are checked at the end.
 """
 
 import os
 
 import pytest
+import torch
 import triton
 
-from splitkv.gluon_mla import COMPILE_TRITON, DEFAULT_TILE, TILES, compile_report
+from splitkv.bench import gluon_mla as gluon_bench
+from splitkv.gluon_mla import (COMPILE_TRITON, DEFAULT_TILE, TILES, compile_report, decline_reason, gluon_mla_verify,
+                               unavailable_reason)
 from splitkv.launch import _triton_version
+from splitkv.testing import make_problem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRITON36 = os.environ.get("SPLITKV_TRITON36") or os.path.join(ROOT, ".venv", "triton36")
@@ -45,3 +49,31 @@ def test_compiles_with_this_triton():
                     reason=f"no Triton 3.6 in {TRITON36} (make triton36 installs it there)")
 def test_compiles_with_triton_3_6():
     check(compile_report(TRITON36, CONFIGS), "3.6.")
+
+
+# --- the host side without a GPU -------------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
+def test_unavailable_without_a_gpu():
+    assert unavailable_reason() == "no CUDA device"
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        gluon_mla_verify(*[torch.empty(0)] * 9, 4)
+
+
+def test_decline_reason():
+    p = make_problem([40, 0], [4, 2], 16, 1, 576, 512, dtype=torch.bfloat16, seed=0)
+    q, k, v, o, kb, vb = p.tensors(p.new_output())[:6]
+    assert decline_reason(q, k, v, o, kb, vb, p.kv_indices) == "v_buffer must be k_buffer[..., :512]"
+    kv = dict(v=k[..., :512], vb=kb[..., :512])
+    assert decline_reason(q, k, kv["v"], o, kb, kv["vb"], p.kv_indices) is None
+    assert "bf16" in decline_reason(q.half(), k, kv["v"], o, kb, kv["vb"], p.kv_indices)
+    assert "token pool" in decline_reason(q, k, kv["v"], o, kb[:, None], kv["vb"], p.kv_indices)
+    assert "trees" in decline_reason(q, k, kv["v"], o, kb, kv["vb"], p.kv_indices, custom_mask=torch.ones(1))
+
+
+def test_bench_verdict():
+    row = dict(heads=128, batch=8, prefix=16384, impls={"tl": dict(us=100.0), "gluon 32x3": dict(speedup=1.31),
+                                                        "gluon 64x2": dict(error="x")})
+    assert gluon_bench.verdict(row).startswith("GO: best Gluon tile 1.31x")
+    row["impls"]["gluon 32x3"]["speedup"] = 1.2
+    assert gluon_bench.verdict(row).startswith("NO-GO")
