@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -40,10 +39,11 @@ LATENT_DIM, ROPE_DIM = 512, 64
 COMPILE_TRITON = ((3, 6), (3, 9))
 #: Triton releases on which the kernel ran on an sm_90 GPU and matched the oracle: none yet.
 RAN_ON_TRITON: Tuple[Tuple[int, int], ...] = ()
-#: ``(BLOCK_N, STAGES)``: keys per tile, key tiles in flight. 32 x 3 uses 189 KB of shared memory.
-DEFAULT_TILE = (32, 3)
-#: Tiles that fit sm_90's 227 KB of shared memory per block.
-TILES = ((32, 2), (32, 3), (32, 4), (64, 2))
+#: ``(BLOCK_N, STAGES, OVERLAP)``: keys per tile, key tiles in shared memory, and whether a tile's
+#: softmax overlaps the previous tile's ``P V``. 32 x 3 uses 189 KB of shared memory.
+DEFAULT_TILE = (32, 3, False)
+#: Tiles that fit sm_90's 227 KB of shared memory per block (OVERLAP needs 3 stages and two P buffers).
+TILES = ((32, 2, False), (32, 3, False), (32, 4, False), (64, 2, False), (32, 3, True), (32, 4, True))
 #: Shared memory one block may use on sm_90 (227 KB).
 SHARED_LIMIT = 232448
 #: Shortest slice worth a program, in keys.
@@ -114,10 +114,10 @@ def decline_reason(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, k
 def gluon_mla_verify(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
                      max_len_extend: int, *, is_causal: bool = True, sm_scale: Optional[float] = None,
                      k_scale: float = 1.0, v_scale: float = 1.0, lse: Optional[torch.Tensor] = None,
-                     n_splits: Optional[int] = None, tile: Tuple[int, int] = DEFAULT_TILE):
+                     n_splits: Optional[int] = None, tile: Tuple[int, int, bool] = DEFAULT_TILE):
     """MLA verify with the Gluon kernel: ``o_extend`` (and the natural-log ``lse [tokens, heads]``) filled.
 
-    Arguments as in :func:`splitkv.verify_splitkv_fwd`; ``tile`` is ``(BLOCK_N, STAGES)``
+    Arguments as in :func:`splitkv.verify_splitkv_fwd`; ``tile`` is ``(BLOCK_N, STAGES, OVERLAP)``
     (:data:`TILES`); ``n_splits`` slices per sequence (default: one wave of one program per SM,
     from the mean prefix ``len(kv_indices) // batch``). Reads no device value on the host, so it
     can be captured in a CUDA graph. Raises ``RuntimeError`` where it cannot run
@@ -129,12 +129,13 @@ def gluon_mla_verify(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
     why = decline_reason(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, kv_indices)
     if why:
         raise ValueError(why)
+    tile = tuple(tile)
     if tile not in TILES:
         raise ValueError(f"tile must be one of {TILES}")
     from .kernels.merge import _merge_kernel
 
     kernel, block_m, num_warps = _kernel()
-    block_n, stages = tile
+    block_n, stages, overlap = tile
     tokens, heads, head_dim = q_extend.shape
     batch = qo_indptr.shape[0] - 1
     m_blocks = cdiv(heads * max_len_extend, block_m)
@@ -159,7 +160,7 @@ def gluon_mla_verify(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
         q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_buffer.stride(0),
         o_extend.stride(0), o_extend.stride(1),
         NUM_Q_HEADS=heads, M_BLOCKS=m_blocks, DV=LATENT_DIM, ROPE_DIM=ROPE_DIM, BLOCK_N=block_n, STAGES=stages,
-        IS_CAUSAL=is_causal, WRITE_LSE=lse is not None, num_warps=num_warps)
+        OVERLAP=overlap, IS_CAUSAL=is_causal, WRITE_LSE=lse is not None, num_warps=num_warps)
     if n_splits > 1:
         # The verify kernel's second merge launch, unchanged: same slices, same order.
         m_rows, m_cols = merge_launch_block(LATENT_DIM)
@@ -176,34 +177,46 @@ def gluon_mla_verify(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
 # ---------------------------------------------------------------------------- compiling without a GPU
 
 
-def _tool(name: str) -> Optional[str]:
-    """A CUDA binary tool shipped with Triton's NVIDIA backend (``cuobjdump``), else one on ``PATH``."""
-    import triton
+def _ptxas_usage(ptx: str) -> Dict:
+    """``n_regs`` and ``spill_bytes`` (spill stores) of ``ptx`` for sm_90a, from ``ptxas -v`` as
+    Triton runs it (its own ``ptxas`` for sm_90); empty where that ``ptxas`` cannot be run."""
+    import tempfile
 
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    return path if os.path.exists(path) else shutil.which(name)
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(90).path
+    except Exception:  # noqa: BLE001 -- another Triton layout: no figures, not an error
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "kernel.cubin")],
+                              capture_output=True, text=True, timeout=300)
+    regs, spills = re.search(r"Used (\d+) registers", proc.stderr), re.search(r"(\d+) bytes spill stores", proc.stderr)
+    return dict(n_regs=int(regs.group(1)), spill_bytes=int(spills.group(1))) if regs and spills else {}
 
 
-def compile_sm90(num_q_heads: int = 128, max_len_extend: int = 4, tile: Tuple[int, int] = DEFAULT_TILE) -> Dict:
+def compile_sm90(num_q_heads: int = 128, max_len_extend: int = 4, tile: Tuple[int, int, bool] = DEFAULT_TILE) -> Dict:
     """Compile the kernel for sm_90 with the Triton imported here (no GPU needed) and read its resources.
 
     Run it in a process where ``TRITON_INTERPRET=0`` (``import splitkv`` without a GPU sets it to 1,
     which turns the shared ``triton.jit`` helpers into interpreted functions). Returns the Triton
-    version, ``shared`` bytes, ``n_regs`` and ``spill_bytes`` (read from the cubin with ``cuobjdump``
-    where it exists; ``None`` otherwise), and the ``wgmma`` instructions of the PTX by shape.
+    version, ``shared`` bytes, ``n_regs`` and ``spill_bytes`` (from ``ptxas -v``; ``None`` where it
+    cannot run), and the ``wgmma`` instructions of the PTX by shape.
     """
-    import tempfile
-
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kernel, block_m, num_warps = _kernel()
-    block_n, stages = tile
+    block_n, stages, overlap = tile
     pointers = {"Q": "*bf16", "K_Ext": "*bf16", "K_Buf": "*bf16", "O": "*bf16", "LSE_Out": "*fp32",
                 "qo_indptr": "*i32", "kv_indptr": "*i32", "kv_indices": "*i32", "Part_O": "*fp32"}
     consts = dict(NUM_Q_HEADS=num_q_heads, M_BLOCKS=cdiv(num_q_heads * max_len_extend, block_m), DV=LATENT_DIM,
-                  ROPE_DIM=ROPE_DIM, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=True, WRITE_LSE=False)
+                  ROPE_DIM=ROPE_DIM, BLOCK_N=block_n, STAGES=stages, OVERLAP=bool(overlap), IS_CAUSAL=True,
+                  WRITE_LSE=False)
     floats = ("qk_scale_prefix", "qk_scale_draft", "v_scale")
     signature = {n: pointers.get(n) or ("constexpr" if n in consts else "fp32" if n in floats else "i32")
                  for n in kernel.arg_names}
@@ -221,16 +234,7 @@ def compile_sm90(num_q_heads: int = 128, max_len_extend: int = 4, tile: Tuple[in
     report = dict(triton=triton.__version__, tile=list(tile), num_q_heads=num_q_heads, num_warps=num_warps,
                   shared=compiled.metadata.shared, fits=compiled.metadata.shared <= SHARED_LIMIT,
                   n_regs=None, spill_bytes=None, wgmma=wgmma)
-    tool = _tool("cuobjdump")
-    if tool and "cubin" in compiled.asm:
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                                   timeout=120).stdout
-        regs, local = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
-        if regs and local:
-            report.update(n_regs=int(regs.group(1)), spill_bytes=int(local.group(1)))
+    report.update(_ptxas_usage(ptx))
     return report
 
 

@@ -24,18 +24,21 @@ from splitkv.testing import make_problem
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRITON36 = os.environ.get("SPLITKV_TRITON36") or os.path.join(ROOT, ".venv", "triton36")
 CONFIGS = [dict(num_q_heads=128, tile=t) for t in TILES] + [dict(num_q_heads=16, tile=DEFAULT_TILE)]
+#: Spill stores the OVERLAP tiles may make (Triton 3.6: 20-32 bytes, outside the key loop).
+OVERLAP_SPILL_BYTES = 256
 
 
 def check(reports, version):
     assert len(reports) == len(CONFIGS)
     for report, config in zip(reports, CONFIGS):
-        block_n = config["tile"][0]
+        block_n, _, overlap = config["tile"]
         assert report["triton"].startswith(version), report
         assert report["fits"], report
-        assert report["spill_bytes"] in (0, None), report
-        # Per attend step (prefix and draft block: two in the code): 576 / 16 score instructions and
-        # BLOCK_N / 16 value instructions per warpgroup.
-        assert report["wgmma"] == {f"m64n{block_n // 2}k16": 2 * 36, "m64n256k16": 2 * block_n // 16}, report
+        assert report["spill_bytes"] is None or report["spill_bytes"] <= (OVERLAP_SPILL_BYTES if overlap else 0), report
+        # Per score tile 576 / 16 instructions and per P V BLOCK_N / 16, per warpgroup: in the code, the prefix
+        # loop's and the draft block's (and with OVERLAP the first tile's scores, before the loop).
+        assert report["wgmma"] == {f"m64n{block_n // 2}k16": (3 if overlap else 2) * 36,
+                                   "m64n256k16": 2 * block_n // 16}, report
 
 
 @pytest.mark.skipif(_triton_version(triton.__version__) not in COMPILE_TRITON,

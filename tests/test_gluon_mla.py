@@ -41,7 +41,7 @@ def run(p, out=None, **kwargs):
 
 
 @pytest.mark.parametrize("n_splits", [None, 1, 7])
-@pytest.mark.parametrize("tile", TILES, ids=[f"{n}x{s}" for n, s in TILES])
+@pytest.mark.parametrize("tile", TILES, ids=[f"{n}x{s}{'-overlap' if o else ''}" for n, s, o in TILES])
 @pytest.mark.parametrize("heads", [16, 128])
 def test_matches_oracle_and_the_tl_kernel(heads, tile, n_splits):
     p = mla(heads)
@@ -52,10 +52,11 @@ def test_matches_oracle_and_the_tl_kernel(heads, tile, n_splits):
     assert relative_error(out, tl_out) < 2 * TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("heads", [16, 128])
-def test_every_draft_visible(heads):
+def test_every_draft_visible(heads, overlap):
     p = mla(heads, mask="none", seed=1)
-    assert_matches_reference(run(p), p)
+    assert_matches_reference(run(p, tile=(32, 3, overlap)), p)
 
 
 @pytest.mark.parametrize("n_splits", [1, 5])
@@ -68,13 +69,15 @@ def test_lse(n_splits):
     assert torch.allclose(lse.double(), ref_lse.double().to(lse.device), atol=1e-2, rtol=1e-3)
 
 
-def test_long_prefix_many_slices():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_long_prefix_many_slices(overlap):
     """DeepSeek-V3 at 128 heads, 4 drafts, 16k and 9k prefixes: several slices per sequence, 8 row blocks."""
     p = mla(128, [16384, 9000], [4, 4], seed=3, pool_factor=1.2)
-    assert_matches_reference(run(p), p)
+    assert_matches_reference(run(p, tile=(32, 4, overlap)), p)
 
 
-def test_slots_outside_the_pool_are_absent():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_slots_outside_the_pool_are_absent(overlap):
     """A slot outside ``[0, pool_tokens)`` is never read: the key counts as absent (the oracle on the
     prefix without those keys)."""
     p = mla(16, [700], [4], seed=4, index_dtype=torch.int32)
@@ -86,7 +89,7 @@ def test_slots_outside_the_pool_are_absent():
     keep[bad] = False
     kept = p.replace(kv_indices=p.kv_indices[keep], prefix_lens=[700 - len(bad)],
                      kv_indptr=torch.tensor([0, 700 - len(bad)], device="cuda", dtype=p.kv_indptr.dtype))
-    out = run(p.replace(kv_indices=kvi), n_splits=3)
+    out = run(p.replace(kv_indices=kvi), n_splits=3, tile=(32, 3, overlap))
     assert_matches_reference(out, kept)
 
 

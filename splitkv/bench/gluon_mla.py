@@ -64,7 +64,7 @@ def bench_row(heads: int, batch: int, prefix: int, timer: Timer, tiles=TILES) ->
     rec: dict = {}
     record("tl", timer.graph(_splitkv(p, tl_out, rec)), config=rec.get("config"), n_splits=rec.get("n_splits"))
     for tile in tiles:
-        name = f"gluon {tile[0]}x{tile[1]}"
+        name = f"gluon {tile[0]}x{tile[1]}{' overlap' if tile[2] else ''}"
         out = p.new_output()
         try:
             us = timer.graph(_gluon(p, out, tile))
@@ -87,11 +87,11 @@ def _print_row(row: dict) -> None:
     print(f"heads {row['heads']}, batch {row['batch']}, prefix {row['prefix']} ({row['latent_mb']:.0f} MB latent):")
     for name, r in row["impls"].items():
         if "error" in r:
-            print(f"  {name:<12} failed: {r['error']}")
+            print(f"  {name:<20} failed: {r['error']}")
             continue
         extra = f"  tl/gluon {r['speedup']:.2f}x  rel diff {r['rel_diff_vs_tl']:.1e}" if "speedup" in r else \
             f"  ({r.get('config')}, {r.get('n_splits')} slices)"
-        print(f"  {name:<12} {r['us']:9.1f} µs {r['tflops']:7.1f} TFLOPS {r['gbps']:7.0f} GB/s{extra}", flush=True)
+        print(f"  {name:<20} {r['us']:9.1f} µs {r['tflops']:7.1f} TFLOPS {r['gbps']:7.0f} GB/s{extra}", flush=True)
 
 
 def main(argv=None):

@@ -58,8 +58,12 @@ has landed" is ``wait_group(STAGES - 2)``. Each step:
 4. P to ``p_smem``, fence, barrier; rescale ``O`` by ``2^(m_old - m_new)``;
    ``O += P V``.
 
-The ``wgmma`` are synchronous (each waits for its result): this is the
-smallest version, without warp specialisation or overlap of the two dots.
+In this, the smallest version, each ``wgmma`` is waited for at once, and no
+warp is specialised. With ``OVERLAP`` (``STAGES >= 3``, P double-buffered)
+step ``i`` issues tile ``i + 1``'s score ``wgmma``, then tile ``i``'s ``P V``,
+waits for the scores only (``wgmma`` groups complete in order, so one
+outstanding group is the ``P V``) and computes tile ``i + 1``'s softmax while
+the tensor cores run ``P V``: FlashAttention-3's overlap within a warpgroup.
 
 The last slice's program also takes the draft block: the draft rows
 (``k_extend``, values their latent columns) come through the same stages,
@@ -77,7 +81,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from .common import _tile_slices
 
@@ -142,13 +146,12 @@ def _slot_ok(Index, first, n_keys, pool_tokens, USE_INDEX: gl.constexpr, BLOCK_N
 
 
 @gluon.jit
-def _attend(q_smem, qr_smem, kv, kr, p_smem, visible, qk_scale, m_i, l_i, acc,
-            BLOCK_N: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """One online-softmax step over a key tile held in shared memory (see the module docstring)."""
-    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    s = warpgroup_mma(q_smem, kv.permute((1, 0)), s, use_acc=False)
-    s = warpgroup_mma(qr_smem, kr.permute((1, 0)), s)
+def _softmax(s, visible, qk_scale, m_i, l_i, p_smem):
+    """The online-softmax step on a score tile ``s`` (see the module docstring): returns ``(m_new, l_new,
+    alpha)``, ``alpha = 2^(m_old - m_new)`` the factor the output must be rescaled by before this tile's
+    ``P V``; P (bf16) is stored to ``p_smem`` and fenced for ``wgmma`` (the caller barriers)."""
     s = gl.where(visible, s * qk_scale, float("-inf"))
+    # The row max and sum reduce across both warpgroups (each holds half the key columns).
     m_new = gl.maximum(m_i, gl.max(s, 1))
     # Shift by 0 where a row is still empty: avoids (-inf) - (-inf) = NaN.
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -157,11 +160,27 @@ def _attend(q_smem, qr_smem, kv, kr, p_smem, visible, qk_scale, m_i, l_i, acc,
     l_i = l_i * alpha + gl.sum(p, 1)
     p_smem.store(p.to(gl.bfloat16))
     fence_async_shared()
+    return m_new, l_i, alpha
+
+
+@gluon.jit
+def _rescale(acc, alpha, o_layout: gl.constexpr):
+    """``acc * alpha[:, None]``: the score and output layouts spread rows alike (both [4, 2] warps,
+    16-row instructions), so ``alpha`` changes layout without moving."""
+    return acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout), assert_trivial=True)[:, None]
+
+
+@gluon.jit
+def _attend(q_smem, qr_smem, kv, kr, p_smem, visible, qk_scale, m_i, l_i, acc,
+            BLOCK_N: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """One online-softmax step over a key tile held in shared memory, each ``wgmma`` waited for."""
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    s = warpgroup_mma(q_smem, kv.permute((1, 0)), s, use_acc=False)
+    s = warpgroup_mma(qr_smem, kr.permute((1, 0)), s)
+    m_i, l_i, alpha = _softmax(s, visible, qk_scale, m_i, l_i, p_smem)
     _cta_barrier()  # both warpgroups' key columns of P written
-    # The score and output layouts spread rows alike (both [4, 2] warps, 16-row instructions).
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout), assert_trivial=True)[:, None]
-    acc = warpgroup_mma(p_smem, kv, acc)
-    return m_new, l_i, acc
+    acc = warpgroup_mma(p_smem, kv, _rescale(acc, alpha, o_layout))
+    return m_i, l_i, acc
 
 
 @gluon.jit
@@ -195,12 +214,13 @@ def _gluon_mla_kernel(
     DV: gl.constexpr,  # latent width, the value head dim (512)
     ROPE_DIM: gl.constexpr,  # rope width (64)
     BLOCK_N: gl.constexpr,  # keys per tile
-    STAGES: gl.constexpr,  # key tiles in flight (>= 2)
+    STAGES: gl.constexpr,  # key tiles in shared memory (>= 2; >= 3 with OVERLAP)
+    OVERLAP: gl.constexpr,  # the softmax of one key tile overlaps the P V of the one before
     IS_CAUSAL: gl.constexpr,  # the draft block: causal chain, else every draft visible
     WRITE_LSE: gl.constexpr,
 ):
     gl.static_assert(gl.num_warps() == 8, "two warpgroups")
-    gl.static_assert(STAGES >= 2)
+    gl.static_assert(STAGES >= 3 if OVERLAP else STAGES >= 2)
     tile = gl.program_id(0)
     split = gl.program_id(1)
     b, head_tile, m_block, q_start, n_draft, kv_start, n_prefix, first_key, split_len, n_used = _tile_slices(
@@ -225,7 +245,7 @@ def _gluon_mla_kernel(
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_M, ROPE_DIM], gl.bfloat16))
         kv_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DV], lat_smem)
         kr_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, ROPE_DIM], rope_smem)
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N],
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [2 if OVERLAP else 1, BLOCK_M, BLOCK_N],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16))
 
         # The query tile, one commit group ahead of the keys': row r is draft l, head h.
@@ -255,16 +275,48 @@ def _gluon_mla_kernel(
             _load_keys(kv_smem.index(t), kr_smem.index(t), K_Buf, lo + t * BLOCK_N, hi, stride_kbt, Index,
                        pool_tokens, True, BLOCK_N, DV, ROPE_DIM, lat_layout, rope_layout)
             async_copy.commit_group()
-        for i in range(n_tiles):
+        if OVERLAP:
+            # Tile 0's scores and probabilities first; then step i issues tile i + 1's scores, then
+            # tile i's P V, waits for the scores only (wgmma groups complete in order), and computes
+            # tile i + 1's softmax while P V runs. P is double-buffered; the tile after the slice is
+            # all masked (its P is zero and never used; its alpha is 1).
             _landed(STAGES - 2)
-            ahead = i + STAGES - 1
-            _load_keys(kv_smem.index(ahead % STAGES), kr_smem.index(ahead % STAGES), K_Buf, lo + ahead * BLOCK_N,
-                       hi, stride_kbt, Index, pool_tokens, True, BLOCK_N, DV, ROPE_DIM, lat_layout, rope_layout)
-            async_copy.commit_group()
-            _, n_ok = _slot_ok(Index, lo + i * BLOCK_N, hi, pool_tokens, True, BLOCK_N, s_layout)
-            visible = (rows_s >= 0)[:, None] & n_ok[None, :]
-            m_i, l_i, acc = _attend(q_smem, qr_smem, kv_smem.index(i % STAGES), kr_smem.index(i % STAGES), p_smem,
-                                    visible, qk_scale_prefix, m_i, l_i, acc, BLOCK_N, s_layout, o_layout)
+            s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+            s = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), s, use_acc=False)
+            s = warpgroup_mma(qr_smem, kr_smem.index(0).permute((1, 0)), s)
+            _, n_ok = _slot_ok(Index, lo, hi, pool_tokens, True, BLOCK_N, s_layout)
+            m_i, l_i, alpha = _softmax(s, n_ok[None, :], qk_scale_prefix, m_i, l_i, p_smem.index(0))
+            for i in range(n_tiles):
+                # Tile i + 1 landed, every warp's P_i written and P V of tile i - 1 done.
+                _landed(STAGES - 3)
+                ahead = i + STAGES - 1
+                _load_keys(kv_smem.index(ahead % STAGES), kr_smem.index(ahead % STAGES), K_Buf,
+                           lo + ahead * BLOCK_N, hi, stride_kbt, Index, pool_tokens, True, BLOCK_N, DV, ROPE_DIM,
+                           lat_layout, rope_layout)
+                async_copy.commit_group()
+                nxt = (i + 1) % STAGES
+                s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+                s = warpgroup_mma(q_smem, kv_smem.index(nxt).permute((1, 0)), s, use_acc=False, is_async=True)
+                s = warpgroup_mma(qr_smem, kr_smem.index(nxt).permute((1, 0)), s, is_async=True)
+                acc = warpgroup_mma(p_smem.index(i % 2), kv_smem.index(i % STAGES), _rescale(acc, alpha, o_layout),
+                                    is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+                _, n_ok = _slot_ok(Index, lo + (i + 1) * BLOCK_N, hi, pool_tokens, True, BLOCK_N, s_layout)
+                m_i, l_i, alpha = _softmax(s, n_ok[None, :], qk_scale_prefix, m_i, l_i,
+                                           p_smem.index((i + 1) % 2))
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        else:
+            for i in range(n_tiles):
+                _landed(STAGES - 2)
+                ahead = i + STAGES - 1
+                _load_keys(kv_smem.index(ahead % STAGES), kr_smem.index(ahead % STAGES), K_Buf,
+                           lo + ahead * BLOCK_N, hi, stride_kbt, Index, pool_tokens, True, BLOCK_N, DV, ROPE_DIM,
+                           lat_layout, rope_layout)
+                async_copy.commit_group()
+                _, n_ok = _slot_ok(Index, lo + i * BLOCK_N, hi, pool_tokens, True, BLOCK_N, s_layout)
+                m_i, l_i, acc = _attend(q_smem, qr_smem, kv_smem.index(i % STAGES), kr_smem.index(i % STAGES),
+                                        p_smem.index(0), n_ok[None, :], qk_scale_prefix, m_i, l_i, acc,
+                                        BLOCK_N, s_layout, o_layout)
         acc = acc * v_scale  # fp8 pools' value scale (1 here), on the slice's output
         async_copy.wait_group(0)  # the prologue's copies past the slice (empty, but in flight)
         _cta_barrier()  # every warp done with the stages before the draft block refills them
@@ -281,7 +333,7 @@ def _gluon_mla_kernel(
                 visible = (l_s < n_draft)[:, None] & j_ok[None, :]
                 if IS_CAUSAL:
                     visible = visible & (j[None, :] <= l_s[:, None])
-                m_i, l_i, acc = _attend(q_smem, qr_smem, kv_smem.index(0), kr_smem.index(0), p_smem, visible,
+                m_i, l_i, acc = _attend(q_smem, qr_smem, kv_smem.index(0), kr_smem.index(0), p_smem.index(0), visible,
                                         qk_scale_draft, m_i, l_i, acc, BLOCK_N, s_layout, o_layout)
                 _cta_barrier()  # every warp done with stage 0 and P before the next draft tile
 
