@@ -28,7 +28,8 @@ import torch
 
 from .launch import _triton_version
 from .resources import shares_rows
-from .schedule import cdiv, device_sm_count, merge_launch_block, merge_unroll, min_split_for, one_wave_n_splits
+from .schedule import (cdiv, device_sm_count, mean_prefix, merge_launch_block, merge_unroll, min_split_for,
+                       one_wave_n_splits)
 
 __all__ = ["LATENT_DIM", "ROPE_DIM", "COMPILE_TRITON", "RAN_ON_TRITON", "DEFAULT_TILE", "TILES", "SHARED_LIMIT",
            "unavailable_reason", "decline_reason", "gluon_mla_verify", "compile_sm90", "compile_report"]
@@ -81,15 +82,19 @@ def unavailable_reason(device=None) -> Optional[str]:
 
 
 def decline_reason(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, kv_indices, *, custom_mask=None,
-                   sinks=None) -> Optional[str]:
+                   kv_last_page_len=None, sinks=None) -> Optional[str]:
     """Why the kernel does not serve these tensors (``None``: it does): bf16 MLA heads (576 = 512 + 64,
-    one KV head), values views of the keys' latent columns, a token pool, no custom mask or sinks."""
-    if q_extend.dim() != 3 or q_extend.shape[2] != LATENT_DIM + ROPE_DIM:
-        return f"queries must be [tokens, heads, {LATENT_DIM + ROPE_DIM}]"
-    if k_buffer.dim() != 3 or k_buffer.shape[1:] != (1, LATENT_DIM + ROPE_DIM):
-        return f"the pool must be a token pool [slots, 1, {LATENT_DIM + ROPE_DIM}]"
-    if k_extend.dim() != 3 or k_extend.shape[1:] != (1, LATENT_DIM + ROPE_DIM):
-        return f"k_extend must be [tokens, 1, {LATENT_DIM + ROPE_DIM}]"
+    one KV head), values views of the keys' latent columns, a token pool ``[slots, 1, 576]`` or a paged
+    one ``[pages, page_size, 1, 576]`` (with ``kv_last_page_len``), no sinks."""
+    head = LATENT_DIM + ROPE_DIM
+    if q_extend.dim() != 3 or q_extend.shape[2] != head:
+        return f"queries must be [tokens, heads, {head}]"
+    if k_buffer.shape[-2:] != (1, head) or k_buffer.dim() not in (3, 4):
+        return f"the pool must be [slots, 1, {head}] or [pages, page_size, 1, {head}]"
+    if (k_buffer.dim() == 4) != (kv_last_page_len is not None):
+        return "a paged pool needs kv_last_page_len, a token pool takes none"
+    if k_extend.dim() != 3 or k_extend.shape[1:] != (1, head):
+        return f"k_extend must be [tokens, 1, {head}]"
     if v_buffer.shape[-1] != LATENT_DIM or not shares_rows(k_buffer, v_buffer):
         return "v_buffer must be k_buffer[..., :512]"
     if v_extend.shape[-1] != LATENT_DIM or not shares_rows(k_extend, v_extend):
@@ -104,74 +109,92 @@ def decline_reason(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, k
             return f"{name} must have contiguous, 16-byte aligned rows"
     if kv_indices.dtype not in (torch.int32, torch.int64):
         return "kv_indices must be int32 or int64"
-    if custom_mask is not None:
-        return "custom masks (trees) are not served yet"
+    if custom_mask is not None and custom_mask.dtype not in (torch.bool, torch.uint8):
+        return "custom_mask must be bool or uint8"
     if sinks is not None:
         return "attention sinks are not served yet"
     return None
 
 
 def gluon_mla_verify(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
-                     max_len_extend: int, *, is_causal: bool = True, sm_scale: Optional[float] = None,
-                     k_scale: float = 1.0, v_scale: float = 1.0, lse: Optional[torch.Tensor] = None,
-                     n_splits: Optional[int] = None, tile: Tuple[int, int, bool] = DEFAULT_TILE):
+                     max_len_extend: int, *, custom_mask=None, mask_indptr=None, is_causal: bool = True,
+                     kv_last_page_len=None, sm_scale: Optional[float] = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0, lse: Optional[torch.Tensor] = None, n_splits: Optional[int] = None,
+                     tile: Tuple[int, int, bool] = DEFAULT_TILE):
     """MLA verify with the Gluon kernel: ``o_extend`` (and the natural-log ``lse [tokens, heads]``) filled.
 
-    Arguments as in :func:`splitkv.verify_splitkv_fwd`; ``tile`` is ``(BLOCK_N, STAGES, OVERLAP)``
-    (:data:`TILES`); ``n_splits`` slices per sequence (default: one wave of one program per SM,
-    from the mean prefix ``len(kv_indices) // batch``). Reads no device value on the host, so it
-    can be captured in a CUDA graph. Raises ``RuntimeError`` where it cannot run
-    (:func:`unavailable_reason`) and ``ValueError`` for tensors it does not serve (:func:`decline_reason`).
+    Arguments as in :func:`splitkv.verify_splitkv_fwd` (a tree as ``custom_mask`` / ``mask_indptr``, a
+    paged pool with ``kv_last_page_len``); ``tile`` is ``(BLOCK_N, STAGES, OVERLAP)`` (:data:`TILES`);
+    ``n_splits`` slices per sequence (default: one wave of one program per SM, from the mean prefix
+    the shapes give). Reads no device value on the host, so it can be captured in a CUDA graph.
+    Raises ``RuntimeError`` where it cannot run (:func:`unavailable_reason`) and ``ValueError`` for
+    tensors it does not serve (:func:`decline_reason`).
     """
     why = unavailable_reason(q_extend.device)
     if why:
         raise RuntimeError(why)
-    why = decline_reason(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, kv_indices)
+    why = decline_reason(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, kv_indices,
+                         custom_mask=custom_mask, kv_last_page_len=kv_last_page_len)
     if why:
         raise ValueError(why)
     tile = tuple(tile)
     if tile not in TILES:
         raise ValueError(f"tile must be one of {TILES}")
+    if (custom_mask is None) != (mask_indptr is None):
+        raise ValueError("custom_mask and mask_indptr come together")
+    _, block_m, _ = _kernel()
+    page_size = k_buffer.shape[1] if k_buffer.dim() == 4 else 1
+    batch = qo_indptr.shape[0] - 1
+    m_blocks = cdiv(q_extend.shape[1] * max_len_extend, block_m)
+    if n_splits is None:
+        n_splits = one_wave_n_splits(batch * m_blocks, mean_prefix(kv_indices.shape[0], page_size, batch),
+                                     device_sm_count(q_extend.device), min_split_tokens=MIN_SPLIT_TOKENS,
+                                     block_n=tile[0])
+    sm_scale = q_extend.shape[2] ** -0.5 if sm_scale is None else sm_scale
+    last = kv_indptr if kv_last_page_len is None else kv_last_page_len  # read only for a paged pool
+    mask = None if custom_mask is None else custom_mask.view(torch.uint8)
+    _launch(q_extend, k_extend, o_extend, k_buffer, qo_indptr, kv_indptr, kv_indices, last, mask, mask_indptr,
+            lse, tile, n_splits, m_blocks, page_size, is_causal, sm_scale, k_scale, v_scale)
+    return o_extend
+
+
+def _launch(q, k_ext, out, k_buf, qo_indptr, kv_indptr, kv_indices, last, mask, mask_indptr, lse, tile, n_splits,
+            m_blocks, page_size, is_causal, sm_scale, k_scale, v_scale) -> None:
+    """The Gluon kernel over ``(tiles, n_splits)``, then (several slices) the verify kernel's second
+    merge launch, unchanged: same slices, same order."""
     from .kernels.merge import _merge_kernel
 
     kernel, block_m, num_warps = _kernel()
     block_n, stages, overlap = tile
-    tokens, heads, head_dim = q_extend.shape
-    batch = qo_indptr.shape[0] - 1
-    m_blocks = cdiv(heads * max_len_extend, block_m)
-    tiles = batch * m_blocks
+    tokens, heads, _ = q.shape
+    tiles = (qo_indptr.shape[0] - 1) * m_blocks
     min_split = min_split_for(block_n, MIN_SPLIT_TOKENS)
-    if n_splits is None:
-        n_splits = one_wave_n_splits(tiles, kv_indices.shape[0] // max(batch, 1), device_sm_count(q_extend.device),
-                                     min_split_tokens=MIN_SPLIT_TOKENS, block_n=block_n)
-    sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
     log2e = 1.4426950408889634
     # Scratch in the verify kernel's layout: bf16 partials [tiles, n_splits, 64, 512] in a region sized
     # for float32, then the partial LSEs [tiles, n_splits, 64] (float32).
     rows = tiles * n_splits * block_m
-    parts = torch.empty(rows * LATENT_DIM + rows if n_splits > 1 else 1, dtype=torch.float32,
-                        device=q_extend.device)
-    lse_offset = rows * LATENT_DIM
-    lse_out = o_extend if lse is None else lse
+    parts = torch.empty(rows * LATENT_DIM + rows if n_splits > 1 else 1, dtype=torch.float32, device=q.device)
+    lse_out = out if lse is None else lse
+    paged = k_buf.dim() == 4
     kernel[(tiles, n_splits)](
-        q_extend, k_extend, k_buffer, o_extend, lse_out, qo_indptr, kv_indptr, kv_indices, parts, lse_offset,
-        sm_scale * k_scale * log2e, sm_scale * log2e, v_scale,
-        tokens, k_buffer.shape[0], kv_indices.shape[0], n_splits, min_split,
-        q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_buffer.stride(0),
-        o_extend.stride(0), o_extend.stride(1),
+        q, k_ext, k_buf, out, lse_out, qo_indptr, kv_indptr, kv_indices, last,
+        kv_indptr if mask is None else mask, kv_indptr if mask_indptr is None else mask_indptr,
+        parts, rows * LATENT_DIM, sm_scale * k_scale * log2e, sm_scale * log2e, v_scale,
+        tokens, k_buf.shape[0], kv_indices.shape[0], 0 if mask is None else mask.numel(), n_splits, min_split,
+        q.stride(0), q.stride(1), k_ext.stride(0), k_buf.stride(0), k_buf.stride(1) if paged else 0,
+        out.stride(0), out.stride(1),
         NUM_Q_HEADS=heads, M_BLOCKS=m_blocks, DV=LATENT_DIM, ROPE_DIM=ROPE_DIM, BLOCK_N=block_n, STAGES=stages,
-        OVERLAP=overlap, IS_CAUSAL=is_causal, WRITE_LSE=lse is not None, num_warps=num_warps)
+        OVERLAP=overlap, PAGE_SIZE=page_size, USE_MASK=mask is not None, IS_CAUSAL=is_causal,
+        WRITE_LSE=lse is not None, num_warps=num_warps)
     if n_splits > 1:
-        # The verify kernel's second merge launch, unchanged: same slices, same order.
         m_rows, m_cols = merge_launch_block(LATENT_DIM)
         _merge_kernel[(tiles, cdiv(block_m, m_rows), cdiv(LATENT_DIM, m_cols))](
-            o_extend, lse_out, qo_indptr, kv_indptr, kv_indptr, o_extend, parts, lse_offset,
-            tokens, kv_indices.shape[0], n_splits, min_split, 0, o_extend.stride(0), o_extend.stride(1),
+            out, lse_out, qo_indptr, kv_indptr, last, out, parts, rows * LATENT_DIM,
+            tokens, kv_indices.shape[0], n_splits, min_split, 0, out.stride(0), out.stride(1),
             NUM_Q_HEADS=heads, HEADS_PER_TILE=heads, M_BLOCKS=m_blocks, V_HEAD_DIM=LATENT_DIM, BLOCK_M=block_m,
-            BLOCK_N=block_n, MERGE_ROWS=m_rows, MERGE_DV=m_cols, PAGE_SIZE=1, SPLIT_TOKENS=0, HAS_WINDOW=False,
-            HAS_SINKS=False, WRITE_LSE=lse is not None, MERGE_UNROLL=merge_unroll(None, n_splits), USE_PDL=False,
-            num_warps=2)
-    return o_extend
+            BLOCK_N=block_n, MERGE_ROWS=m_rows, MERGE_DV=m_cols, PAGE_SIZE=page_size, SPLIT_TOKENS=0,
+            HAS_WINDOW=False, HAS_SINKS=False, WRITE_LSE=lse is not None, MERGE_UNROLL=merge_unroll(None, n_splits),
+            USE_PDL=False, num_warps=2)
 
 
 # ---------------------------------------------------------------------------- compiling without a GPU
@@ -198,7 +221,8 @@ def _ptxas_usage(ptx: str) -> Dict:
     return dict(n_regs=int(regs.group(1)), spill_bytes=int(spills.group(1))) if regs and spills else {}
 
 
-def compile_sm90(num_q_heads: int = 128, max_len_extend: int = 4, tile: Tuple[int, int, bool] = DEFAULT_TILE) -> Dict:
+def compile_sm90(num_q_heads: int = 128, max_len_extend: int = 4, tile: Tuple[int, int, bool] = DEFAULT_TILE,
+                 page_size: int = 1, tree: bool = False) -> Dict:
     """Compile the kernel for sm_90 with the Triton imported here (no GPU needed) and read its resources.
 
     Run it in a process where ``TRITON_INTERPRET=0`` (``import splitkv`` without a GPU sets it to 1,
@@ -213,17 +237,18 @@ def compile_sm90(num_q_heads: int = 128, max_len_extend: int = 4, tile: Tuple[in
     kernel, block_m, num_warps = _kernel()
     block_n, stages, overlap = tile
     pointers = {"Q": "*bf16", "K_Ext": "*bf16", "K_Buf": "*bf16", "O": "*bf16", "LSE_Out": "*fp32",
-                "qo_indptr": "*i32", "kv_indptr": "*i32", "kv_indices": "*i32", "Part_O": "*fp32"}
+                "qo_indptr": "*i32", "kv_indptr": "*i32", "kv_indices": "*i32", "Last_Page_Len": "*i32",
+                "Mask": "*u8", "mask_indptr": "*i32", "Part_O": "*fp32"}
     consts = dict(NUM_Q_HEADS=num_q_heads, M_BLOCKS=cdiv(num_q_heads * max_len_extend, block_m), DV=LATENT_DIM,
-                  ROPE_DIM=ROPE_DIM, BLOCK_N=block_n, STAGES=stages, OVERLAP=bool(overlap), IS_CAUSAL=True,
-                  WRITE_LSE=False)
+                  ROPE_DIM=ROPE_DIM, BLOCK_N=block_n, STAGES=stages, OVERLAP=bool(overlap), PAGE_SIZE=page_size,
+                  USE_MASK=tree, IS_CAUSAL=True, WRITE_LSE=False)
     floats = ("qk_scale_prefix", "qk_scale_draft", "v_scale")
     signature = {n: pointers.get(n) or ("constexpr" if n in consts else "fp32" if n in floats else "i32")
                  for n in kernel.arg_names}
     # What the JIT would specialise for real tensors: 16-byte aligned pointers and row strides
     # (decline_reason demands them), so that each cp.async moves 16 bytes.
     aligned = [n for n in kernel.arg_names if n in pointers or n in (
-        "stride_qt", "stride_qh", "stride_ket", "stride_kbt", "stride_ot", "stride_oh")]
+        "stride_qt", "stride_qh", "stride_ket", "stride_kbt", "stride_kbr", "stride_ot", "stride_oh")]
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
@@ -231,7 +256,8 @@ def compile_sm90(num_q_heads: int = 128, max_len_extend: int = 4, tile: Tuple[in
     wgmma: Dict[str, int] = {}
     for shape in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx):
         wgmma[shape] = wgmma.get(shape, 0) + 1
-    report = dict(triton=triton.__version__, tile=list(tile), num_q_heads=num_q_heads, num_warps=num_warps,
+    report = dict(triton=triton.__version__, tile=list(tile), num_q_heads=num_q_heads, page_size=page_size,
+                  tree=tree, num_warps=num_warps,
                   shared=compiled.metadata.shared, fits=compiled.metadata.shared <= SHARED_LIMIT,
                   n_regs=None, spill_bytes=None, wgmma=wgmma)
     report.update(_ptxas_usage(ptx))

@@ -23,7 +23,8 @@ from splitkv.testing import make_problem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRITON36 = os.environ.get("SPLITKV_TRITON36") or os.path.join(ROOT, ".venv", "triton36")
-CONFIGS = [dict(num_q_heads=128, tile=t) for t in TILES] + [dict(num_q_heads=16, tile=DEFAULT_TILE)]
+CONFIGS = [dict(num_q_heads=128, tile=t) for t in TILES] + [dict(num_q_heads=16, tile=DEFAULT_TILE)] + [
+    dict(num_q_heads=16, tile=t, page_size=64, tree=True) for t in (DEFAULT_TILE, (32, 4, True))]
 #: Spill stores the OVERLAP tiles may make (Triton 3.6: 20-32 bytes, outside the key loop).
 OVERLAP_SPILL_BYTES = 256
 
@@ -70,8 +71,13 @@ def test_decline_reason():
     kv = dict(v=k[..., :512], vb=kb[..., :512])
     assert decline_reason(q, k, kv["v"], o, kb, kv["vb"], p.kv_indices) is None
     assert "bf16" in decline_reason(q.half(), k, kv["v"], o, kb, kv["vb"], p.kv_indices)
-    assert "token pool" in decline_reason(q, k, kv["v"], o, kb[:, None], kv["vb"], p.kv_indices)
-    assert "trees" in decline_reason(q, k, kv["v"], o, kb, kv["vb"], p.kv_indices, custom_mask=torch.ones(1))
+    assert "pool must be" in decline_reason(q, k, kv["v"], o, kb[:, None, None], kv["vb"], p.kv_indices)
+    pages = kb[:40].view(5, 8, 1, 576)
+    assert "kv_last_page_len" in decline_reason(q, k, kv["v"], o, pages, pages[..., :512], p.kv_indices)
+    assert decline_reason(q, k, kv["v"], o, pages, pages[..., :512], p.kv_indices, kv_last_page_len=p.kv_indptr,
+                          custom_mask=torch.ones(1, dtype=torch.bool)) is None
+    assert "bool or uint8" in decline_reason(q, k, kv["v"], o, kb, kv["vb"], p.kv_indices, custom_mask=torch.ones(1))
+    assert "sinks" in decline_reason(q, k, kv["v"], o, kb, kv["vb"], p.kv_indices, sinks=torch.ones(16))
 
 
 def test_bench_verdict():

@@ -5,8 +5,8 @@ Every test here needs an sm_90 GPU and a Triton the kernel compiles on; elsewher
 :func:`splitkv.gluon_mla.unavailable_reason`. The shapes are DeepSeek-V3's (576 = 512 + 64, one KV head, V a
 view of K) at 16 and 128 query heads, small prefixes: ragged batches, an empty prefix, a prefix shorter than
 a key tile, one and several slices per sequence (the verify kernel's merge), every tile of
-:data:`splitkv.gluon_mla.TILES`, causal and all-visible drafts, the LSE, slots outside the pool, and a
-CUDA-graph replay. Under compute-sanitizer (memcheck, racecheck) run them one process at a time.
+:data:`splitkv.gluon_mla.TILES`, causal, all-visible and tree-masked drafts, token pools and pages of 16
+and 64 (NaN in every row no prefix uses), the LSE, slots outside the pool, and a CUDA-graph replay. Under compute-sanitizer (memcheck, racecheck) run them one process at a time.
 """
 
 import pytest
@@ -15,7 +15,7 @@ import torch
 from conftest import TOLERANCE, assert_close, assert_matches_reference
 from splitkv import verify_attention
 from splitkv.gluon_mla import TILES, decline_reason, gluon_mla_verify, unavailable_reason
-from splitkv.testing import make_problem, reference_for, relative_error
+from splitkv.testing import make_problem, paged_problem, reference_for, relative_error
 
 WHY = unavailable_reason() if torch.cuda.is_available() else "no CUDA device"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(WHY is not None, reason=f"Gluon MLA kernel: {WHY}")]
@@ -36,8 +36,15 @@ def mla(heads, prefixes=PREFIXES, extends=EXTENDS, mask="causal", seed=0, **kwar
 def run(p, out=None, **kwargs):
     out = p.new_output() if out is None else out
     return gluon_mla_verify(p.q_extend, p.k_extend, p.v_extend, out, p.k_buffer, p.v_buffer, p.qo_indptr,
-                            p.kv_indptr, p.kv_indices, p.max_len_extend, is_causal=p.is_causal,
-                            sm_scale=p.sm_scale, **kwargs)
+                            p.kv_indptr, p.kv_indices, p.max_len_extend, custom_mask=p.custom_mask,
+                            mask_indptr=p.mask_indptr, is_causal=p.is_causal, sm_scale=p.sm_scale, **kwargs)
+
+
+def run_paged(p, page_size, **kwargs):
+    """``p`` with its prefixes in NaN-poisoned pages, the value pages a view of the key pages."""
+    pp = paged_problem(p, page_size, seed=1)
+    return run(p.replace(k_buffer=pp.k_pages, v_buffer=pp.k_pages[..., :DV], kv_indptr=pp.kv_indptr,
+                         kv_indices=pp.kv_indices), kv_last_page_len=pp.kv_last_page_len, **kwargs)
 
 
 @pytest.mark.parametrize("n_splits", [None, 1, 7])
@@ -57,6 +64,25 @@ def test_matches_oracle_and_the_tl_kernel(heads, tile, n_splits):
 def test_every_draft_visible(heads, overlap):
     p = mla(heads, mask="none", seed=1)
     assert_matches_reference(run(p, tile=(32, 3, overlap)), p)
+
+
+@pytest.mark.parametrize("tile", [(32, 3, False), (64, 2, False), (32, 4, True)], ids=["32x3", "64x2", "32x4-overlap"])
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_paged_pool(heads, page_size, tile):
+    p = mla(heads, seed=6)
+    assert_matches_reference(run_paged(p, page_size, tile=tile, n_splits=3), p)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("paged", [False, True], ids=["token", "pages-64"])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_tree_mask(heads, paged, overlap):
+    p = mla(heads, [700, 0, 1500], [6, 3, 8], mask="tree", seed=7)
+    out = run_paged(p, 64, tile=(32, 3, overlap)) if paged else run(p, tile=(32, 3, overlap))
+    assert_matches_reference(out, p)
+    tl_out = verify_attention(*p.tensors(p.new_output()), **p.options())
+    assert relative_error(out, tl_out) < 2 * TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("n_splits", [1, 5])

@@ -105,43 +105,60 @@ def _gather_rows(dst, Base, row, ok, COLS: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _load_keys(kv_dst, kr_dst, Base, first, n_keys, stride_row, Index, pool_tokens, USE_INDEX: gl.constexpr,
-               BLOCK_N: gl.constexpr, DV: gl.constexpr, ROPE_DIM: gl.constexpr,
-               lat_layout: gl.constexpr, rope_layout: gl.constexpr):
-    """Issue the copies of key rows ``first + [0, BLOCK_N)`` (those below ``n_keys``) into one stage.
+def _key_rows(Index, n, n_keys, pool_tokens, stride_t, stride_r, PAGE_SIZE: gl.constexpr):
+    """Where keys ``n`` of a sequence live: ``(row, ok)``, each key's element offset in the pool and
+    whether it is a real key (``n < n_keys``, its slot or page inside the pool).
 
-    ``USE_INDEX``: key ``n`` is pool row ``Index[n]`` (a token-pool slot, bounds-checked: a slot
-    outside ``[0, pool_tokens)`` is zero-filled, and its score masked by the caller); else row
-    ``n`` of ``Base`` (the draft block). The slots are loaded once per layout (the latent and rope
-    copies spread rows over threads differently); the second load hits L1.
+    Token pool (``PAGE_SIZE`` 1): key ``n`` is slot ``Index[n]``. Paged pool: row ``n % PAGE_SIZE``
+    of page ``Index[n // PAGE_SIZE]``. A slot or page outside ``[0, pool_tokens)`` is never
+    dereferenced: its key counts as absent (its copy moves 0 bytes and zero-fills).
     """
-    n_lat = first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lat_layout))
-    n_rope = first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rope_layout))
-    ok_lat = n_lat < n_keys
-    ok_rope = n_rope < n_keys
-    if USE_INDEX:
-        s_lat = gl.load(Index + n_lat, mask=ok_lat, other=0)
-        s_rope = gl.load(Index + n_rope, mask=ok_rope, other=0)
-        ok_lat = ok_lat & (s_lat >= 0) & (s_lat < pool_tokens)
-        ok_rope = ok_rope & (s_rope >= 0) & (s_rope < pool_tokens)
-        r_lat = s_lat.to(gl.int64) * stride_row
-        r_rope = s_rope.to(gl.int64) * stride_row + DV
+    ok = n < n_keys
+    if PAGE_SIZE == 1:
+        slot = gl.load(Index + n, mask=ok, other=0)
+        ok = ok & (slot >= 0) & (slot < pool_tokens)
+        row = slot.to(gl.int64) * stride_t
     else:
-        r_lat = n_lat.to(gl.int64) * stride_row
-        r_rope = n_rope.to(gl.int64) * stride_row + DV
-    _gather_rows(kv_dst, Base, r_lat, ok_lat, DV, lat_layout)
-    _gather_rows(kr_dst, Base, r_rope, ok_rope, ROPE_DIM, rope_layout)
+        page = gl.load(Index + n // PAGE_SIZE, mask=ok, other=0)
+        ok = ok & (page >= 0) & (page < pool_tokens)
+        row = page.to(gl.int64) * stride_t + (n % PAGE_SIZE).to(gl.int64) * stride_r
+    return row, ok
 
 
 @gluon.jit
-def _slot_ok(Index, first, n_keys, pool_tokens, USE_INDEX: gl.constexpr, BLOCK_N: gl.constexpr,
+def _load_keys(kv_dst, kr_dst, Base, first, n_keys, stride_t, stride_r, Index, pool_tokens, PAGE_SIZE: gl.constexpr,
+               BLOCK_N: gl.constexpr, DV: gl.constexpr, ROPE_DIM: gl.constexpr,
+               lat_layout: gl.constexpr, rope_layout: gl.constexpr):
+    """Issue the copies of keys ``first + [0, BLOCK_N)`` (those that are real keys, see ``_key_rows``;
+    the others zero-filled) into one stage: latent columns to ``kv_dst``, rope columns to ``kr_dst``.
+
+    ``PAGE_SIZE`` 0: the keys are rows ``n`` of ``Base`` (the draft block). The slots are loaded once
+    per layout (the latent and rope copies spread rows over threads differently); the second load
+    hits L1.
+    """
+    n_lat = first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lat_layout))
+    n_rope = first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rope_layout))
+    if PAGE_SIZE == 0:
+        ok_lat = n_lat < n_keys
+        ok_rope = n_rope < n_keys
+        r_lat = n_lat.to(gl.int64) * stride_t
+        r_rope = n_rope.to(gl.int64) * stride_t
+    else:
+        r_lat, ok_lat = _key_rows(Index, n_lat, n_keys, pool_tokens, stride_t, stride_r, PAGE_SIZE)
+        r_rope, ok_rope = _key_rows(Index, n_rope, n_keys, pool_tokens, stride_t, stride_r, PAGE_SIZE)
+    _gather_rows(kv_dst, Base, r_lat, ok_lat, DV, lat_layout)
+    _gather_rows(kr_dst, Base, r_rope + DV, ok_rope, ROPE_DIM, rope_layout)
+
+
+@gluon.jit
+def _keys_ok(Index, first, n_keys, pool_tokens, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
              s_layout: gl.constexpr):
-    """Which key columns of the score tile are real keys (in range, and a slot inside the pool)."""
+    """Keys ``first + [0, BLOCK_N)`` as the score tile's columns, and which of them are real keys."""
     n = first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    ok = n < n_keys
-    if USE_INDEX:
-        slot = gl.load(Index + n, mask=ok, other=0)
-        ok = ok & (slot >= 0) & (slot < pool_tokens)
+    if PAGE_SIZE == 0:
+        ok = n < n_keys
+    else:
+        _, ok = _key_rows(Index, n, n_keys, pool_tokens, 0, 0, PAGE_SIZE)
     return n, ok
 
 
@@ -192,22 +209,24 @@ def _landed(n_outstanding: gl.constexpr):
     _cta_barrier()
 
 
-@gluon.jit(do_not_specialize=["lse_offset", "num_tokens", "pool_tokens", "kv_len", "n_splits", "min_split"])
+@gluon.jit(do_not_specialize=["lse_offset", "num_tokens", "pool_tokens", "kv_len", "mask_len", "n_splits",
+                               "min_split"])
 def _gluon_mla_kernel(
     Q, K_Ext, K_Buf, O, LSE_Out,
-    qo_indptr, kv_indptr, kv_indices,
+    qo_indptr, kv_indptr, kv_indices, Last_Page_Len, Mask, mask_indptr,
     Part_O, lse_offset,  # scratch: partial outputs (bf16), then (at lse_offset float32 words) partial LSEs
     qk_scale_prefix,  # sm_scale * k_scale * log2(e)
     qk_scale_draft,  # sm_scale * log2(e)
     v_scale,
     num_tokens,  # rows of q/k_extend and the output
-    pool_tokens,  # rows of k_buffer
+    pool_tokens,  # slots (token pool) or pages (paged pool) of k_buffer
     kv_len,  # entries of kv_indices
+    mask_len,  # entries of Mask
     n_splits,  # grid axis 1
     min_split,  # fewest keys per slice (a multiple of BLOCK_N)
     stride_qt, stride_qh,
     stride_ket,  # k_extend: one KV head, so the head stride never enters
-    stride_kbt,  # k_buffer: per slot
+    stride_kbt, stride_kbr,  # k_buffer: per slot (or page), per row within a page
     stride_ot, stride_oh,
     NUM_Q_HEADS: gl.constexpr,
     M_BLOCKS: gl.constexpr,  # row blocks per sequence: cdiv(NUM_Q_HEADS * max drafts, BLOCK_M)
@@ -216,7 +235,9 @@ def _gluon_mla_kernel(
     BLOCK_N: gl.constexpr,  # keys per tile
     STAGES: gl.constexpr,  # key tiles in shared memory (>= 2; >= 3 with OVERLAP)
     OVERLAP: gl.constexpr,  # the softmax of one key tile overlaps the P V of the one before
-    IS_CAUSAL: gl.constexpr,  # the draft block: causal chain, else every draft visible
+    PAGE_SIZE: gl.constexpr,  # 1: token pool (kv_indices are slots); else kv_indices are page ids
+    USE_MASK: gl.constexpr,  # the draft block's visibility from Mask (a tree)
+    IS_CAUSAL: gl.constexpr,  # else: causal chain, else every draft visible
     WRITE_LSE: gl.constexpr,
 ):
     gl.static_assert(gl.num_warps() == 8, "two warpgroups")
@@ -224,8 +245,8 @@ def _gluon_mla_kernel(
     tile = gl.program_id(0)
     split = gl.program_id(1)
     b, head_tile, m_block, q_start, n_draft, kv_start, n_prefix, first_key, split_len, n_used = _tile_slices(
-        tile, qo_indptr, kv_indptr, kv_indptr, num_tokens, kv_len, n_splits, min_split, 0,
-        1, M_BLOCKS, BLOCK_N, 0, 1, False)
+        tile, qo_indptr, kv_indptr, Last_Page_Len, num_tokens, kv_len, n_splits, min_split, 0,
+        1, M_BLOCKS, BLOCK_N, 0, PAGE_SIZE, False)
     if (split < n_used) & (m_block * BLOCK_M < n_draft * NUM_Q_HEADS):
         # Layouts. Scores [64, BLOCK_N] and output [64, DV]: wgmma accumulators, warpgroups side by
         # side (warps_per_cta [4, 2]): each owns half the columns, every row.
@@ -272,8 +293,8 @@ def _gluon_mla_kernel(
         Index = kv_indices + kv_start
         n_tiles = gl.cdiv(hi - lo, BLOCK_N)
         for t in gl.static_range(STAGES - 1):  # prologue: tiles 0 .. STAGES - 2 (past the slice: empty)
-            _load_keys(kv_smem.index(t), kr_smem.index(t), K_Buf, lo + t * BLOCK_N, hi, stride_kbt, Index,
-                       pool_tokens, True, BLOCK_N, DV, ROPE_DIM, lat_layout, rope_layout)
+            _load_keys(kv_smem.index(t), kr_smem.index(t), K_Buf, lo + t * BLOCK_N, hi, stride_kbt, stride_kbr,
+                       Index, pool_tokens, PAGE_SIZE, BLOCK_N, DV, ROPE_DIM, lat_layout, rope_layout)
             async_copy.commit_group()
         if OVERLAP:
             # Tile 0's scores and probabilities first; then step i issues tile i + 1's scores, then
@@ -284,14 +305,15 @@ def _gluon_mla_kernel(
             s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
             s = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), s, use_acc=False)
             s = warpgroup_mma(qr_smem, kr_smem.index(0).permute((1, 0)), s)
-            _, n_ok = _slot_ok(Index, lo, hi, pool_tokens, True, BLOCK_N, s_layout)
+            _, n_ok = _keys_ok(Index, lo, hi, pool_tokens, PAGE_SIZE, BLOCK_N, s_layout)
             m_i, l_i, alpha = _softmax(s, n_ok[None, :], qk_scale_prefix, m_i, l_i, p_smem.index(0))
             for i in range(n_tiles):
                 # Tile i + 1 landed, every warp's P_i written and P V of tile i - 1 done.
                 _landed(STAGES - 3)
                 ahead = i + STAGES - 1
                 _load_keys(kv_smem.index(ahead % STAGES), kr_smem.index(ahead % STAGES), K_Buf,
-                           lo + ahead * BLOCK_N, hi, stride_kbt, Index, pool_tokens, True, BLOCK_N, DV, ROPE_DIM,
+                           lo + ahead * BLOCK_N, hi, stride_kbt, stride_kbr, Index, pool_tokens, PAGE_SIZE,
+                           BLOCK_N, DV, ROPE_DIM,
                            lat_layout, rope_layout)
                 async_copy.commit_group()
                 nxt = (i + 1) % STAGES
@@ -301,7 +323,8 @@ def _gluon_mla_kernel(
                 acc = warpgroup_mma(p_smem.index(i % 2), kv_smem.index(i % STAGES), _rescale(acc, alpha, o_layout),
                                     is_async=True)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
-                _, n_ok = _slot_ok(Index, lo + (i + 1) * BLOCK_N, hi, pool_tokens, True, BLOCK_N, s_layout)
+                _, n_ok = _keys_ok(Index, lo + (i + 1) * BLOCK_N, hi, pool_tokens, PAGE_SIZE, BLOCK_N,
+                                   s_layout)
                 m_i, l_i, alpha = _softmax(s, n_ok[None, :], qk_scale_prefix, m_i, l_i,
                                            p_smem.index((i + 1) % 2))
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
@@ -310,10 +333,11 @@ def _gluon_mla_kernel(
                 _landed(STAGES - 2)
                 ahead = i + STAGES - 1
                 _load_keys(kv_smem.index(ahead % STAGES), kr_smem.index(ahead % STAGES), K_Buf,
-                           lo + ahead * BLOCK_N, hi, stride_kbt, Index, pool_tokens, True, BLOCK_N, DV, ROPE_DIM,
+                           lo + ahead * BLOCK_N, hi, stride_kbt, stride_kbr, Index, pool_tokens, PAGE_SIZE,
+                           BLOCK_N, DV, ROPE_DIM,
                            lat_layout, rope_layout)
                 async_copy.commit_group()
-                _, n_ok = _slot_ok(Index, lo + i * BLOCK_N, hi, pool_tokens, True, BLOCK_N, s_layout)
+                _, n_ok = _keys_ok(Index, lo + i * BLOCK_N, hi, pool_tokens, PAGE_SIZE, BLOCK_N, s_layout)
                 m_i, l_i, acc = _attend(q_smem, qr_smem, kv_smem.index(i % STAGES), kr_smem.index(i % STAGES),
                                         p_smem.index(0), n_ok[None, :], qk_scale_prefix, m_i, l_i, acc,
                                         BLOCK_N, s_layout, o_layout)
@@ -325,13 +349,19 @@ def _gluon_mla_kernel(
         if split == n_used - 1:
             K_Draft = K_Ext + q_start.to(gl.int64) * stride_ket
             for start in range(0, n_draft, BLOCK_N):
-                _load_keys(kv_smem.index(0), kr_smem.index(0), K_Draft, start, n_draft, stride_ket, Index,
-                           pool_tokens, False, BLOCK_N, DV, ROPE_DIM, lat_layout, rope_layout)
+                _load_keys(kv_smem.index(0), kr_smem.index(0), K_Draft, start, n_draft, stride_ket, 0, Index,
+                           pool_tokens, 0, BLOCK_N, DV, ROPE_DIM, lat_layout, rope_layout)
                 async_copy.commit_group()
                 _landed(0)
-                j, j_ok = _slot_ok(Index, start, n_draft, pool_tokens, False, BLOCK_N, s_layout)
+                j, j_ok = _keys_ok(Index, start, n_draft, pool_tokens, 0, BLOCK_N, s_layout)
                 visible = (l_s < n_draft)[:, None] & j_ok[None, :]
-                if IS_CAUSAL:
+                if USE_MASK:
+                    # Row l of the sequence's mask spans [prefix keys | draft keys] (as in the verify kernel).
+                    pos = (gl.load(mask_indptr + b).to(gl.int64) + l_s.to(gl.int64)[:, None] * (n_prefix + n_draft)
+                           + n_prefix + j[None, :])
+                    in_mask = visible & (pos >= 0) & (pos < mask_len)
+                    visible = in_mask & (gl.load(Mask + pos, mask=in_mask, other=0) != 0)
+                elif IS_CAUSAL:
                     visible = visible & (j[None, :] <= l_s[:, None])
                 m_i, l_i, acc = _attend(q_smem, qr_smem, kv_smem.index(0), kr_smem.index(0), p_smem.index(0), visible,
                                         qk_scale_draft, m_i, l_i, acc, BLOCK_N, s_layout, o_layout)
