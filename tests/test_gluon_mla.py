@@ -6,7 +6,8 @@ Every test here needs an sm_90 GPU and a Triton the kernel compiles on; elsewher
 view of K) at 16 and 128 query heads, small prefixes: ragged batches, an empty prefix, a prefix shorter than
 a key tile, one and several slices per sequence (the verify kernel's merge), every tile of
 :data:`splitkv.gluon_mla.TILES`, causal, all-visible and tree-masked drafts, token pools and pages of 16
-and 64 (NaN in every row no prefix uses), the LSE, slots outside the pool, and a CUDA-graph replay. Under compute-sanitizer (memcheck, racecheck) run them one process at a time.
+and 64 (NaN in every row no prefix uses), the LSE, slots outside the pool, and a CUDA-graph replay.
+Under compute-sanitizer (memcheck, racecheck) run them one process at a time.
 """
 
 import pytest

@@ -13,11 +13,11 @@ and their LSEs are the verify kernel's (``_tile_slices``, ``Part_O`` /
 ``Part_LSE`` in its layout), so its second merge launch (``_merge_kernel``)
 combines them unchanged; a tile with one slice writes its output itself.
 
-Why a second kernel. Triton's ``tl.dot`` lays a 64-row dot of an 8-warp
-program over both warpgroups by splitting the *rows*: each warpgroup then
-needs every key column of the score tile and computes the whole score tile
-``[64, BLOCK_N]`` over 576 columns, twice in all. Here the warpgroups split
-*columns* (``NVMMADistributedLayout(warps_per_cta=[4, 2])``)::
+Why a second kernel. Triton's ``tl.dot`` lays the chained 64-row dots of an
+8-warp program out by rows (``warpsPerCTA = [8, 1]``), but 64 rows are one
+warpgroup's worth of ``wgmma`` rows: both warpgroups compute the whole score
+tile ``[64, BLOCK_N]`` over 576 columns, twice in all. Here the warpgroups
+split *columns* (``NVMMADistributedLayout(warps_per_cta=[4, 2])``)::
 
     S [64, BLOCK_N]   = Q [64, 576] K^T        warpgroup w: key columns  w * BLOCK_N/2 + [0, BLOCK_N/2)
     O [64, DV]       += P [64, BLOCK_N] V       warpgroup w: value columns w * DV/2 + [0, DV/2)
@@ -34,16 +34,17 @@ Shared memory, per program::
     q_smem  [64, DV] + qr_smem [64, ROPE_DIM]            the query tile, loaded once (bf16)
     kv_smem [STAGES, BLOCK_N, DV]                        latent rows: K's first chunk and V, loaded once
     kr_smem [STAGES, BLOCK_N, ROPE_DIM]                  rope rows: K's second chunk
-    p_smem  [64, BLOCK_N]                                the probabilities, bf16
+    p_smem  [1 or 2, 64, BLOCK_N]                        the probabilities, bf16 (2 with OVERLAP)
 
 all in NVMMA layouts (128-byte swizzle), the layouts ``wgmma`` reads. The
 score dot reads a latent tile transposed (``permute``: K-major B), the value
 dot reads the same bytes as they are (N-major B): each latent row is gathered
 once and used twice.
 
-Pipeline. Key rows are gathered through ``kv_indices`` with ``cp.async``
-(``async_copy_global_to_shared``, 16 bytes per copy, rows whose slot is out
-of range zero-filled and masked out of the scores), ``STAGES - 1`` key tiles
+Pipeline. Key rows are gathered through ``kv_indices`` (token slots, or page
+ids of a paged pool) with ``cp.async`` (16 bytes per copy; rows past the slice
+or whose slot or page is out of range are zero-filled, moving no bytes, and
+masked out of the scores), ``STAGES - 1`` key tiles
 ahead of the tile being computed; one commit group per tile, so "tile ``i``
 has landed" is ``wait_group(STAGES - 2)``. Each step:
 
@@ -67,13 +68,14 @@ the tensor cores run ``P V``: FlashAttention-3's overlap within a warpgroup.
 
 The last slice's program also takes the draft block: the draft rows
 (``k_extend``, values their latent columns) come through the same stages,
-causally masked (draft ``j`` visible to row ``l`` iff ``j <= l``) or all
-visible, with the draft score scale.
+with the draft score scale, visible through a tree (``Mask``, rows laid out
+as the verify kernel's), causally (draft ``j`` visible to row ``l`` iff
+``j <= l``) or all.
 
 Limits, checked by the host (:mod:`splitkv.gluon_mla`): bf16 queries, pools
-and drafts; a token pool; values a view of the keys' latent columns, in the
-pool and in the draft block; no sinks, windows, soft cap, xai temperature,
-custom masks or checked mode; the output's partials in bf16 (``O`` bf16).
+and drafts; values a view of the keys' latent columns, in the pool and in the
+draft block; no sinks, windows, soft cap, xai temperature, window mask
+offsets or checked mode; the output's partials in bf16 (``O`` bf16).
 """
 
 from __future__ import annotations
@@ -237,7 +239,7 @@ def _gluon_mla_kernel(
     OVERLAP: gl.constexpr,  # the softmax of one key tile overlaps the P V of the one before
     PAGE_SIZE: gl.constexpr,  # 1: token pool (kv_indices are slots); else kv_indices are page ids
     USE_MASK: gl.constexpr,  # the draft block's visibility from Mask (a tree)
-    IS_CAUSAL: gl.constexpr,  # else: causal chain, else every draft visible
+    IS_CAUSAL: gl.constexpr,  # without USE_MASK: a causal chain, else every draft visible
     WRITE_LSE: gl.constexpr,
 ):
     gl.static_assert(gl.num_warps() == 8, "two warpgroups")
