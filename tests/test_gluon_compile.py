@@ -25,7 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRITON36 = os.environ.get("SPLITKV_TRITON36") or os.path.join(ROOT, ".venv", "triton36")
 CONFIGS = [dict(num_q_heads=128, tile=t) for t in TILES] + [dict(num_q_heads=16, tile=DEFAULT_TILE)] + [
     dict(num_q_heads=16, tile=t, page_size=64, tree=True) for t in (DEFAULT_TILE, (32, 4, True))]
-#: Spill stores the OVERLAP tiles may make (Triton 3.6: 20-32 bytes, outside the key loop).
+#: Spill stores the OVERLAP tiles may make (20-32 bytes with Triton 3.6, 216-248 with 3.9; mostly outside the
+#: key loop, see docs/design.md).
 OVERLAP_SPILL_BYTES = 256
 
 
