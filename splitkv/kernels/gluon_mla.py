@@ -190,12 +190,20 @@ def _rescale(acc, alpha, o_layout: gl.constexpr):
 
 
 @gluon.jit
+def _scores(q_smem, qr_smem, kv, kr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """Issue ``S = Q_latent K_latent^T + Q_rope K_rope^T`` (asynchronous ``wgmma``; wait for the result)."""
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    s = warpgroup_mma(q_smem, kv.permute((1, 0)), s, use_acc=False, is_async=True)
+    return warpgroup_mma(qr_smem, kr.permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
 def _attend(q_smem, qr_smem, kv, kr, p_smem, visible, qk_scale, m_i, l_i, acc,
             BLOCK_N: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """One online-softmax step over a key tile held in shared memory, each ``wgmma`` waited for."""
-    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    s = warpgroup_mma(q_smem, kv.permute((1, 0)), s, use_acc=False)
-    s = warpgroup_mma(qr_smem, kr.permute((1, 0)), s)
+    """One online-softmax step over a key tile held in shared memory: the scores' two ``wgmma`` (latent
+    and rope chunks) waited for together, then ``P V`` waited for."""
+    s = _scores(q_smem, qr_smem, kv, kr, BLOCK_N, s_layout)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
     m_i, l_i, alpha = _softmax(s, visible, qk_scale, m_i, l_i, p_smem)
     _cta_barrier()  # both warpgroups' key columns of P written
     acc = warpgroup_mma(p_smem, kv, _rescale(acc, alpha, o_layout))
@@ -304,9 +312,8 @@ def _gluon_mla_kernel(
             # tile i + 1's softmax while P V runs. P is double-buffered; the tile after the slice is
             # all masked (its P is zero and never used; its alpha is 1).
             _landed(STAGES - 2)
-            s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-            s = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), s, use_acc=False)
-            s = warpgroup_mma(qr_smem, kr_smem.index(0).permute((1, 0)), s)
+            s = _scores(q_smem, qr_smem, kv_smem.index(0), kr_smem.index(0), BLOCK_N, s_layout)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
             _, n_ok = _keys_ok(Index, lo, hi, pool_tokens, PAGE_SIZE, BLOCK_N, s_layout)
             m_i, l_i, alpha = _softmax(s, n_ok[None, :], qk_scale_prefix, m_i, l_i, p_smem.index(0))
             for i in range(n_tiles):
@@ -318,10 +325,8 @@ def _gluon_mla_kernel(
                            BLOCK_N, DV, ROPE_DIM,
                            lat_layout, rope_layout)
                 async_copy.commit_group()
-                nxt = (i + 1) % STAGES
-                s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-                s = warpgroup_mma(q_smem, kv_smem.index(nxt).permute((1, 0)), s, use_acc=False, is_async=True)
-                s = warpgroup_mma(qr_smem, kr_smem.index(nxt).permute((1, 0)), s, is_async=True)
+                s = _scores(q_smem, qr_smem, kv_smem.index((i + 1) % STAGES), kr_smem.index((i + 1) % STAGES),
+                            BLOCK_N, s_layout)
                 acc = warpgroup_mma(p_smem.index(i % 2), kv_smem.index(i % STAGES), _rescale(acc, alpha, o_layout),
                                     is_async=True)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
