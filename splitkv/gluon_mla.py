@@ -32,7 +32,8 @@ from .schedule import (cdiv, device_sm_count, mean_prefix, merge_launch_block, m
                        one_wave_n_splits)
 
 __all__ = ["LATENT_DIM", "ROPE_DIM", "COMPILE_TRITON", "RAN_ON_TRITON", "DEFAULT_TILE", "TILES", "SHARED_LIMIT",
-           "unavailable_reason", "decline_reason", "gluon_mla_verify", "compile_sm90", "compile_report"]
+           "unavailable_reason", "selection_reason", "decline_reason", "gluon_mla_verify", "compile_sm90",
+           "compile_report"]
 
 #: DeepSeek's latent (value) and rope widths, the only head the kernel takes.
 LATENT_DIM, ROPE_DIM = 512, 64
@@ -78,6 +79,20 @@ def unavailable_reason(device=None) -> Optional[str]:
         _kernel()
     except ImportError as err:
         return f"triton.experimental.gluon is unusable here: {err}"
+    return None
+
+
+def selection_reason(device=None) -> Optional[str]:
+    """Why a plan may not choose the kernel on ``device`` (``None``: it may): it must run here
+    (:func:`unavailable_reason`) with a Triton release it has run on and matched the oracle with
+    (:data:`RAN_ON_TRITON`). No plan consults this yet."""
+    why = unavailable_reason(device)
+    if why:
+        return why
+    import triton
+
+    if _triton_version(triton.__version__) not in RAN_ON_TRITON:
+        return f"triton {triton.__version__}: the kernel has not run on a GPU with this release"
     return None
 
 

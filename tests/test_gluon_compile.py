@@ -16,8 +16,8 @@ import torch
 import triton
 
 from splitkv.bench import gluon_mla as gluon_bench
-from splitkv.gluon_mla import (COMPILE_TRITON, DEFAULT_TILE, TILES, compile_report, decline_reason, gluon_mla_verify,
-                               unavailable_reason)
+from splitkv.gluon_mla import (COMPILE_TRITON, DEFAULT_TILE, RAN_ON_TRITON, TILES, compile_report, decline_reason,
+                               gluon_mla_verify, selection_reason, unavailable_reason)
 from splitkv.launch import _triton_version
 from splitkv.testing import make_problem
 
@@ -60,9 +60,13 @@ def test_compiles_with_triton_3_6():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
 def test_unavailable_without_a_gpu():
-    assert unavailable_reason() == "no CUDA device"
+    assert unavailable_reason() == selection_reason() == "no CUDA device"
     with pytest.raises(RuntimeError, match="no CUDA device"):
         gluon_mla_verify(*[torch.empty(0)] * 9, 4)
+
+
+def test_never_selected_before_it_ran():
+    assert RAN_ON_TRITON == () and selection_reason() is not None
 
 
 def test_decline_reason():
