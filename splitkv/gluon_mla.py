@@ -98,9 +98,10 @@ def selection_reason(device=None) -> Optional[str]:
 
 def decline_reason(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, kv_indices, *, custom_mask=None,
                    kv_last_page_len=None, sinks=None) -> Optional[str]:
-    """Why the kernel does not serve these tensors (``None``: it does): bf16 MLA heads (576 = 512 + 64,
-    one KV head), values views of the keys' latent columns, a token pool ``[slots, 1, 576]`` or a paged
-    one ``[pages, page_size, 1, 576]`` (with ``kv_last_page_len``), no sinks."""
+    """Why the kernel does not serve these tensors (``None``: it does): MLA heads (576 = 512 + 64, one
+    KV head), bf16 queries, drafts and output, a bf16 or fp8 e4m3 latent cache, values views of the
+    keys' latent columns, a token pool ``[slots, 1, 576]`` or a paged one ``[pages, page_size, 1, 576]``
+    (with ``kv_last_page_len``), no sinks."""
     head = LATENT_DIM + ROPE_DIM
     if q_extend.dim() != 3 or q_extend.shape[2] != head:
         return f"queries must be [tokens, heads, {head}]"
@@ -114,8 +115,10 @@ def decline_reason(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, k
         return "v_buffer must be k_buffer[..., :512]"
     if v_extend.shape[-1] != LATENT_DIM or not shares_rows(k_extend, v_extend):
         return "v_extend must be k_extend[..., :512]"
-    if any(t.dtype != torch.bfloat16 for t in (q_extend, k_extend, k_buffer, o_extend)):
-        return "bf16 queries, drafts, pool and output only"
+    if any(t.dtype != torch.bfloat16 for t in (q_extend, k_extend, o_extend)):
+        return "bf16 queries, drafts and output only"
+    if k_buffer.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+        return "a bf16 or float8_e4m3fn latent cache only"
     if o_extend.shape != (q_extend.shape[0], q_extend.shape[1], LATENT_DIM):
         return f"the output must be [tokens, heads, {LATENT_DIM}]"
     for name, t in (("q_extend", q_extend), ("k_extend", k_extend), ("k_buffer", k_buffer), ("o_extend", o_extend)):
@@ -139,7 +142,7 @@ def gluon_mla_verify(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
     """MLA verify with the Gluon kernel: ``o_extend`` (and the natural-log ``lse [tokens, heads]``) filled.
 
     Arguments as in :func:`splitkv.verify_splitkv_fwd` (a tree as ``custom_mask`` / ``mask_indptr``, a
-    paged pool with ``kv_last_page_len``); ``tile`` is ``(BLOCK_N, STAGES, OVERLAP)`` (:data:`TILES`);
+    paged pool with ``kv_last_page_len``, an fp8 cache with ``k_scale`` / ``v_scale``); ``tile`` is ``(BLOCK_N, STAGES, OVERLAP)`` (:data:`TILES`);
     ``n_splits`` slices per sequence (default: one wave of one program per SM, from the mean prefix
     the shapes give). Reads no device value on the host, so it can be captured in a CUDA graph.
     Raises ``RuntimeError`` where it cannot run (:func:`unavailable_reason`) and ``ValueError`` for
@@ -155,6 +158,8 @@ def gluon_mla_verify(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
     tile = tuple(tile)
     if tile not in TILES:
         raise ValueError(f"tile must be one of {TILES}")
+    if tile[2] and k_buffer.dtype != torch.bfloat16:
+        raise ValueError("an fp8 latent cache takes the tiles without OVERLAP")
     if (custom_mask is None) != (mask_indptr is None):
         raise ValueError("custom_mask and mask_indptr come together")
     _, block_m, _ = _kernel()
@@ -237,7 +242,7 @@ def _ptxas_usage(ptx: str) -> Dict:
 
 
 def compile_sm90(num_q_heads: int = 128, max_len_extend: int = 4, tile: Tuple[int, int, bool] = DEFAULT_TILE,
-                 page_size: int = 1, tree: bool = False) -> Dict:
+                 page_size: int = 1, tree: bool = False, fp8: bool = False) -> Dict:
     """Compile the kernel for sm_90 with the Triton imported here (no GPU needed) and read its resources.
 
     Run it in a process where ``TRITON_INTERPRET=0`` (``import splitkv`` without a GPU sets it to 1,
@@ -251,7 +256,7 @@ def compile_sm90(num_q_heads: int = 128, max_len_extend: int = 4, tile: Tuple[in
 
     kernel, block_m, num_warps = _kernel()
     block_n, stages, overlap = tile
-    pointers = {"Q": "*bf16", "K_Ext": "*bf16", "K_Buf": "*bf16", "O": "*bf16", "LSE_Out": "*fp32",
+    pointers = {"Q": "*bf16", "K_Ext": "*bf16", "K_Buf": "*fp8e4nv" if fp8 else "*bf16", "O": "*bf16", "LSE_Out": "*fp32",
                 "qo_indptr": "*i32", "kv_indptr": "*i32", "kv_indices": "*i32", "Last_Page_Len": "*i32",
                 "Mask": "*u8", "mask_indptr": "*i32", "Part_O": "*fp32"}
     consts = dict(NUM_Q_HEADS=num_q_heads, M_BLOCKS=cdiv(num_q_heads * max_len_extend, block_m), DV=LATENT_DIM,
@@ -272,7 +277,7 @@ def compile_sm90(num_q_heads: int = 128, max_len_extend: int = 4, tile: Tuple[in
     for shape in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx):
         wgmma[shape] = wgmma.get(shape, 0) + 1
     report = dict(triton=triton.__version__, tile=list(tile), num_q_heads=num_q_heads, page_size=page_size,
-                  tree=tree, num_warps=num_warps,
+                  tree=tree, fp8=fp8, num_warps=num_warps,
                   shared=compiled.metadata.shared, fits=compiled.metadata.shared <= SHARED_LIMIT,
                   n_regs=None, spill_bytes=None, wgmma=wgmma)
     report.update(_ptxas_usage(ptx))

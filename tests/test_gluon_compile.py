@@ -24,7 +24,8 @@ from splitkv.testing import make_problem
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRITON36 = os.environ.get("SPLITKV_TRITON36") or os.path.join(ROOT, ".venv", "triton36")
 CONFIGS = [dict(num_q_heads=128, tile=t) for t in TILES] + [dict(num_q_heads=16, tile=DEFAULT_TILE)] + [
-    dict(num_q_heads=16, tile=t, page_size=64, tree=True) for t in (DEFAULT_TILE, (32, 4, True))]
+    dict(num_q_heads=16, tile=t, page_size=64, tree=True) for t in (DEFAULT_TILE, (32, 4, True))] + [
+    dict(num_q_heads=128, tile=t, fp8=True) for t in ((32, 3, False), (64, 2, False))]
 #: Spill stores the OVERLAP tiles may make (20-32 bytes with Triton 3.6, 216-248 with 3.9; mostly outside the
 #: key loop, see docs/design.md).
 OVERLAP_SPILL_BYTES = 256
@@ -76,6 +77,10 @@ def test_decline_reason():
     kv = dict(v=k[..., :512], vb=kb[..., :512])
     assert decline_reason(q, k, kv["v"], o, kb, kv["vb"], p.kv_indices) is None
     assert "bf16" in decline_reason(q.half(), k, kv["v"], o, kb, kv["vb"], p.kv_indices)
+    fp8 = kb.to(torch.float8_e4m3fn)
+    assert decline_reason(q, k, kv["v"], o, fp8, fp8[..., :512], p.kv_indices) is None
+    half = kb.half()
+    assert "latent cache" in decline_reason(q, k, kv["v"], o, half, half[..., :512], p.kv_indices)
     assert "pool must be" in decline_reason(q, k, kv["v"], o, kb[:, None, None], kv["vb"], p.kv_indices)
     pages = kb[:40].view(5, 8, 1, 576)
     assert "kv_last_page_len" in decline_reason(q, k, kv["v"], o, pages, pages[..., :512], p.kv_indices)

@@ -6,7 +6,8 @@ Every test here needs an sm_90 GPU and a Triton the kernel compiles on; elsewher
 view of K) at 16 and 128 query heads, small prefixes: ragged batches, an empty prefix, a prefix shorter than
 a key tile, one and several slices per sequence (the verify kernel's merge), every tile of
 :data:`splitkv.gluon_mla.TILES`, causal, all-visible and tree-masked drafts, token pools and pages of 16
-and 64 (NaN in every row no prefix uses), the LSE, slots outside the pool, and a CUDA-graph replay.
+and 64 (NaN in every row no prefix uses), fp8 e4m3 latent caches with scales, the LSE, slots outside the
+pool, and a CUDA-graph replay.
 Under compute-sanitizer (memcheck, racecheck) run them one process at a time.
 """
 
@@ -38,7 +39,8 @@ def run(p, out=None, **kwargs):
     out = p.new_output() if out is None else out
     return gluon_mla_verify(p.q_extend, p.k_extend, p.v_extend, out, p.k_buffer, p.v_buffer, p.qo_indptr,
                             p.kv_indptr, p.kv_indices, p.max_len_extend, custom_mask=p.custom_mask,
-                            mask_indptr=p.mask_indptr, is_causal=p.is_causal, sm_scale=p.sm_scale, **kwargs)
+                            mask_indptr=p.mask_indptr, is_causal=p.is_causal, sm_scale=p.sm_scale,
+                            k_scale=p.k_scale, v_scale=p.v_scale, **kwargs)
 
 
 def run_paged(p, page_size, **kwargs):
@@ -81,6 +83,19 @@ def test_paged_pool(heads, page_size, tile):
 def test_tree_mask(heads, paged, overlap):
     p = mla(heads, [700, 0, 1500], [6, 3, 8], mask="tree", seed=7)
     out = run_paged(p, 64, tile=(32, 3, overlap)) if paged else run(p, tile=(32, 3, overlap))
+    assert_matches_reference(out, p)
+    tl_out = verify_attention(*p.tensors(p.new_output()), **p.options())
+    assert relative_error(out, tl_out) < 2 * TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("tile", [(32, 3, False), (32, 4, False), (64, 2, False)], ids=["32x3", "32x4", "64x2"])
+@pytest.mark.parametrize("paged", [False, True], ids=["token", "pages-64"])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_fp8_latent_cache(heads, paged, tile):
+    """An e4m3 latent cache with its scale (values still a view of it), bf16 queries and drafts: widened to
+    bf16 on chip, exactly; against the oracle on the same fp8 values and against the tl kernel."""
+    p = mla(heads, seed=8, kv_dtype=torch.float8_e4m3fn, k_scale=0.7, v_scale=0.7)
+    out = run_paged(p, 64, tile=tile, n_splits=3) if paged else run(p, tile=tile, n_splits=3)
     assert_matches_reference(out, p)
     tl_out = verify_attention(*p.tensors(p.new_output()), **p.options())
     assert relative_error(out, tl_out) < 2 * TOLERANCE[torch.bfloat16]

@@ -72,8 +72,14 @@ with the draft score scale, visible through a tree (``Mask``, rows laid out
 as the verify kernel's), causally (draft ``j`` visible to row ``l`` iff
 ``j <= l``) or all.
 
-Limits, checked by the host (:mod:`splitkv.gluon_mla`): bf16 queries, pools
-and drafts; values a view of the keys' latent columns, in the pool and in the
+An fp8 (e4m3) latent cache is copied as it is into plain staging stages and
+widened, one tile a step, into a single bf16 stage that ``wgmma`` reads (e4m3
+is exact in bf16); ``k_scale`` sits in the prefix's score scale and
+``v_scale`` multiplies the slice's output. It takes the tiles without
+``OVERLAP``.
+
+Limits, checked by the host (:mod:`splitkv.gluon_mla`): bf16 queries, drafts
+and output; values a view of the keys' latent columns, in the pool and in the
 draft block; no sinks, windows, soft cap, xai temperature, window mask
 offsets or checked mode; the output's partials in bf16 (``O`` bf16).
 """
@@ -251,6 +257,7 @@ def _gluon_mla_kernel(
     WRITE_LSE: gl.constexpr,
 ):
     gl.static_assert(gl.num_warps() == 8, "two warpgroups")
+    POOL_FP8: gl.constexpr = K_Buf.dtype.element_ty.primitive_bitwidth == 8  # an fp8 (e4m3) latent cache
     gl.static_assert(STAGES >= 3 if OVERLAP else STAGES >= 2)
     tile = gl.program_id(0)
     split = gl.program_id(1)
@@ -274,8 +281,25 @@ def _gluon_mla_kernel(
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, DV], gl.bfloat16))
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, ROPE_DIM],
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_M, ROPE_DIM], gl.bfloat16))
-        kv_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DV], lat_smem)
-        kr_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, ROPE_DIM], rope_smem)
+        if POOL_FP8:
+            # fp8 rows land as copied in plain staging stages; each step widens one to bf16 into the
+            # one stage wgmma reads (kv16 / kr16), which the draft block also fills (its rows are bf16).
+            # The copies' layouts (16 and 8 bytes a copy) read back what each thread copied.
+            gl.static_assert(not OVERLAP, "an fp8 pool takes the tiles without OVERLAP")
+            pool_lat: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [8, 1], [1, 0])
+            pool_rope: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+            staging: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+            kv_smem = gl.allocate_shared_memory(K_Buf.dtype.element_ty, [STAGES, BLOCK_N, DV], staging)
+            kr_smem = gl.allocate_shared_memory(K_Buf.dtype.element_ty, [STAGES, BLOCK_N, ROPE_DIM], staging)
+            kv16 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, DV], lat_smem)
+            kr16 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, ROPE_DIM], rope_smem)
+        else:
+            pool_lat: gl.constexpr = lat_layout
+            pool_rope: gl.constexpr = rope_layout
+            kv_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DV], lat_smem)
+            kr_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, ROPE_DIM], rope_smem)
+            kv16 = kv_smem
+            kr16 = kr_smem
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [2 if OVERLAP else 1, BLOCK_M, BLOCK_N],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16))
 
@@ -304,7 +328,7 @@ def _gluon_mla_kernel(
         n_tiles = gl.cdiv(hi - lo, BLOCK_N)
         for t in gl.static_range(STAGES - 1):  # prologue: tiles 0 .. STAGES - 2 (past the slice: empty)
             _load_keys(kv_smem.index(t), kr_smem.index(t), K_Buf, lo + t * BLOCK_N, hi, stride_kbt, stride_kbr,
-                       Index, pool_tokens, PAGE_SIZE, BLOCK_N, DV, ROPE_DIM, lat_layout, rope_layout)
+                       Index, pool_tokens, PAGE_SIZE, BLOCK_N, DV, ROPE_DIM, pool_lat, pool_rope)
             async_copy.commit_group()
         if OVERLAP:
             # Tile 0's scores and probabilities first; then step i issues tile i + 1's scores, then
@@ -341,14 +365,24 @@ def _gluon_mla_kernel(
                 ahead = i + STAGES - 1
                 _load_keys(kv_smem.index(ahead % STAGES), kr_smem.index(ahead % STAGES), K_Buf,
                            lo + ahead * BLOCK_N, hi, stride_kbt, stride_kbr, Index, pool_tokens, PAGE_SIZE,
-                           BLOCK_N, DV, ROPE_DIM,
-                           lat_layout, rope_layout)
+                           BLOCK_N, DV, ROPE_DIM, pool_lat, pool_rope)
                 async_copy.commit_group()
+                if POOL_FP8:
+                    # Widen tile i (e4m3 is exact in bf16; the scales stay in the score scale and on
+                    # the output). Every warp's reads of kv16 in step i - 1 are done (the barrier above).
+                    kv16.index(0).store(kv_smem.index(i % STAGES).load(pool_lat).to(gl.bfloat16))
+                    kr16.index(0).store(kr_smem.index(i % STAGES).load(pool_rope).to(gl.bfloat16))
+                    fence_async_shared()
+                    _cta_barrier()
+                    kv_t = kv16.index(0)
+                    kr_t = kr16.index(0)
+                else:
+                    kv_t = kv_smem.index(i % STAGES)
+                    kr_t = kr_smem.index(i % STAGES)
                 _, n_ok = _keys_ok(Index, lo + i * BLOCK_N, hi, pool_tokens, PAGE_SIZE, BLOCK_N, s_layout)
-                m_i, l_i, acc = _attend(q_smem, qr_smem, kv_smem.index(i % STAGES), kr_smem.index(i % STAGES),
-                                        p_smem.index(0), n_ok[None, :], qk_scale_prefix, m_i, l_i, acc,
-                                        BLOCK_N, s_layout, o_layout)
-        acc = acc * v_scale  # fp8 pools' value scale (1 here), on the slice's output
+                m_i, l_i, acc = _attend(q_smem, qr_smem, kv_t, kr_t, p_smem.index(0), n_ok[None, :], qk_scale_prefix,
+                                        m_i, l_i, acc, BLOCK_N, s_layout, o_layout)
+        acc = acc * v_scale  # the pool's value scale, on the slice's output
         async_copy.wait_group(0)  # the prologue's copies past the slice (empty, but in flight)
         _cta_barrier()  # every warp done with the stages before the draft block refills them
 
@@ -356,7 +390,7 @@ def _gluon_mla_kernel(
         if split == n_used - 1:
             K_Draft = K_Ext + q_start.to(gl.int64) * stride_ket
             for start in range(0, n_draft, BLOCK_N):
-                _load_keys(kv_smem.index(0), kr_smem.index(0), K_Draft, start, n_draft, stride_ket, 0, Index,
+                _load_keys(kv16.index(0), kr16.index(0), K_Draft, start, n_draft, stride_ket, 0, Index,
                            pool_tokens, 0, BLOCK_N, DV, ROPE_DIM, lat_layout, rope_layout)
                 async_copy.commit_group()
                 _landed(0)
@@ -370,7 +404,7 @@ def _gluon_mla_kernel(
                     visible = in_mask & (gl.load(Mask + pos, mask=in_mask, other=0) != 0)
                 elif IS_CAUSAL:
                     visible = visible & (j[None, :] <= l_s[:, None])
-                m_i, l_i, acc = _attend(q_smem, qr_smem, kv_smem.index(0), kr_smem.index(0), p_smem.index(0), visible,
+                m_i, l_i, acc = _attend(q_smem, qr_smem, kv16.index(0), kr16.index(0), p_smem.index(0), visible,
                                         qk_scale_draft, m_i, l_i, acc, BLOCK_N, s_layout, o_layout)
                 _cta_barrier()  # every warp done with stage 0 and P before the next draft tile
 
