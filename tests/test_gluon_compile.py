@@ -23,9 +23,10 @@ from splitkv.testing import make_problem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRITON36 = os.environ.get("SPLITKV_TRITON36") or os.path.join(ROOT, ".venv", "triton36")
-CONFIGS = [dict(num_q_heads=128, tile=t) for t in TILES] + [dict(num_q_heads=16, tile=DEFAULT_TILE)] + [
+#: Every tile at 128 heads; 16 heads with pages of 64 and a tree mask; an fp8 cache in pages with a tree.
+CONFIGS = [dict(num_q_heads=128, tile=t) for t in TILES] + [
     dict(num_q_heads=16, tile=t, page_size=64, tree=True) for t in (DEFAULT_TILE, (32, 4, True))] + [
-    dict(num_q_heads=128, tile=t, fp8=True) for t in ((32, 3, False), (64, 2, False))]
+    dict(num_q_heads=128, tile=(64, 2, False), page_size=64, tree=True, fp8=True)]
 #: Spill stores the OVERLAP tiles may make (20-32 bytes with Triton 3.6, 216-248 with 3.9; mostly outside the
 #: key loop, see docs/design.md).
 OVERLAP_SPILL_BYTES = 256
