@@ -221,8 +221,10 @@ def _launch(q, k_ext, out, k_buf, qo_indptr, kv_indptr, kv_indices, last, mask, 
 
 
 def _ptxas_usage(ptx: str) -> Dict:
-    """``n_regs`` and ``spill_bytes`` (spill stores) of ``ptx`` for sm_90a, from ``ptxas -v`` as
-    Triton runs it (its own ``ptxas`` for sm_90); empty where that ``ptxas`` cannot be run."""
+    """Resources of ``ptx`` for sm_90a, from ``ptxas -v`` as Triton runs it (its own ``ptxas`` for
+    sm_90): ``n_regs``, ``spill_bytes`` (spill stores), and ``key_loop_spills``, the local-memory
+    instructions inside the key loop (:func:`_key_loop_spills`). Empty where that ``ptxas`` cannot
+    run; no ``key_loop_spills`` without ``cuobjdump``."""
     import tempfile
 
     try:
@@ -232,13 +234,38 @@ def _ptxas_usage(ptx: str) -> Dict:
     except Exception:  # noqa: BLE001 -- another Triton layout: no figures, not an error
         return {}
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "kernel.ptx")
+        src, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
         with open(src, "w") as f:
             f.write(ptx)
-        proc = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "kernel.cubin")],
-                              capture_output=True, text=True, timeout=300)
-    regs, spills = re.search(r"Used (\d+) registers", proc.stderr), re.search(r"(\d+) bytes spill stores", proc.stderr)
-    return dict(n_regs=int(regs.group(1)), spill_bytes=int(spills.group(1))) if regs and spills else {}
+        proc = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", cubin], capture_output=True, text=True,
+                              timeout=300)
+        regs, spills = re.search(r"Used (\d+) registers", proc.stderr), re.search(r"(\d+) bytes spill stores",
+                                                                                 proc.stderr)
+        if not (regs and spills):
+            return {}
+        usage = dict(n_regs=int(regs.group(1)), spill_bytes=int(spills.group(1)))
+        cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
+        if os.path.exists(cuobjdump):
+            sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, timeout=300).stdout
+            usage["key_loop_spills"] = _key_loop_spills(sass)
+    return usage
+
+
+def _key_loop_spills(sass: str) -> Optional[int]:
+    """Local-memory instructions (``LDL`` / ``STL``: spills) in the kernel's first loop that holds
+    ``HGMMA`` (in code order, the prefix's key loop; the draft block's loop comes after it)."""
+    rows = []
+    for line in sass.splitlines():
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*)", line)
+        if m:
+            rows.append((int(m.group(1), 16), m.group(2)))
+    loops = sorted((int(t.group(1), 16), a) for a, text in rows
+                   for t in [re.search(r"BRA (0x[0-9a-f]+)", text)] if t and int(t.group(1), 16) < a)
+    for lo, hi in loops:
+        body = [text for a, text in rows if lo <= a <= hi]
+        if any("HGMMA" in text for text in body):
+            return sum(bool(re.search(r"\b(LDL|STL)\b", text)) for text in body)
+    return None
 
 
 def compile_sm90(num_q_heads: int = 128, max_len_extend: int = 4, tile: Tuple[int, int, bool] = DEFAULT_TILE,

@@ -4,7 +4,8 @@ Gluon's API changes between Triton releases, and the kernel never runs on a CPU 
 interpreter path): this is what shows an API break without a GPU. Each Triton the kernel is written
 for is checked where it is installed: the one in this environment, and Triton 3.6 (the H200's)
 installed aside in ``.venv/triton36`` by ``make triton36`` (or the directory ``SPLITKV_TRITON36``
-names). Each compile must fit sm_90's shared memory, spill nothing, and compute the scores once:
+names). Each compile must fit sm_90's shared memory, spill nothing in the key loop (OVERLAP: next to
+nothing), and compute the scores once:
 the score ``wgmma`` is ``BLOCK_N / 2`` wide (each warpgroup takes half the key columns) and the
 value ``wgmma`` 256 (half the value columns). The host side's answers without a GPU are checked at the end.
 """
@@ -27,9 +28,10 @@ TRITON36 = os.environ.get("SPLITKV_TRITON36") or os.path.join(ROOT, ".venv", "tr
 CONFIGS = [dict(num_q_heads=128, tile=t) for t in TILES] + [
     dict(num_q_heads=16, tile=t, page_size=64, tree=True) for t in (DEFAULT_TILE, (32, 4, True))] + [
     dict(num_q_heads=128, tile=(64, 2, False), page_size=64, tree=True, fp8=True)]
-#: Spill stores the OVERLAP tiles may make (20-32 bytes with Triton 3.6, 216-248 with 3.9; mostly outside the
-#: key loop, see docs/design.md).
-OVERLAP_SPILL_BYTES = 256
+#: Spill stores outside the key loop (the draft block, the prologue) are tolerated up to this; inside it, none
+#: without OVERLAP and at most OVERLAP_LOOP_SPILLS local-memory instructions with it (see docs/design.md).
+SPILL_BYTES = 512
+OVERLAP_LOOP_SPILLS = 8
 
 
 def check(reports, version):
@@ -38,7 +40,9 @@ def check(reports, version):
         block_n, _, overlap = config["tile"]
         assert report["triton"].startswith(version), report
         assert report["fits"], report
-        assert report["spill_bytes"] is None or report["spill_bytes"] <= (OVERLAP_SPILL_BYTES if overlap else 0), report
+        assert report["spill_bytes"] is None or report["spill_bytes"] <= SPILL_BYTES, report
+        assert report.get("key_loop_spills") is None or report["key_loop_spills"] <= (
+            OVERLAP_LOOP_SPILLS if overlap else 0), report
         # Per score tile 576 / 16 instructions and per P V BLOCK_N / 16, per warpgroup: in the code, the prefix
         # loop's and the draft block's (and with OVERLAP the first tile's scores, before the loop).
         assert report["wgmma"] == {f"m64n{block_n // 2}k16": (3 if overlap else 2) * 36,

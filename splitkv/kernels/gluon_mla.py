@@ -397,11 +397,12 @@ def _gluon_mla_kernel(
                 j, j_ok = _keys_ok(Index, start, n_draft, pool_tokens, 0, BLOCK_N, s_layout)
                 visible = (l_s < n_draft)[:, None] & j_ok[None, :]
                 if USE_MASK:
-                    # Row l of the sequence's mask spans [prefix keys | draft keys] (as in the verify kernel).
-                    pos = (gl.load(mask_indptr + b).to(gl.int64) + l_s.to(gl.int64)[:, None] * (n_prefix + n_draft)
-                           + n_prefix + j[None, :])
-                    in_mask = visible & (pos >= 0) & (pos < mask_len)
-                    visible = in_mask & (gl.load(Mask + pos, mask=in_mask, other=0) != 0)
+                    # Row l of the sequence's mask spans [prefix keys | draft keys] (as in the verify kernel),
+                    # from mask_indptr[b]: entry l * (n_prefix + n_draft) + n_prefix + j of the block.
+                    base = gl.load(mask_indptr + b).to(gl.int64)
+                    rel = l_s[:, None] * (n_prefix + n_draft) + n_prefix + j[None, :]
+                    in_mask = visible & (base >= 0) & (rel < mask_len - base)
+                    visible = in_mask & (gl.load(Mask + base + rel, mask=in_mask, other=0) != 0)
                 elif IS_CAUSAL:
                     visible = visible & (j[None, :] <= l_s[:, None])
                 m_i, l_i, acc = _attend(q_smem, qr_smem, kv16.index(0), kr16.index(0), p_smem.index(0), visible,
