@@ -36,6 +36,9 @@ Shared memory, per program::
     kr_smem [STAGES, BLOCK_N, ROPE_DIM]                  rope rows: K's second chunk
     p_smem  [1 or 2, 64, BLOCK_N]                        the probabilities, bf16 (2 with OVERLAP)
 
+(an fp8 cache: kv_smem / kr_smem hold fp8 rows as copied, and one more bf16
+stage, kv16 / kr16, the widened tile ``wgmma`` reads)
+
 all in NVMMA layouts (128-byte swizzle), the layouts ``wgmma`` reads. The
 score dot reads a latent tile transposed (``permute``: K-major B), the value
 dot reads the same bytes as they are (N-major B): each latent row is gathered
