@@ -26,7 +26,7 @@ ALL_STAMP   := $(VENV)/.installed-all
 # (tests/test_gluon_compile.py); the package never imports it.
 TRITON36    := $(VENV)/triton36
 
-.PHONY: demo test docs notebooks bench check-gpu setup setup-all reinstall triton36
+.PHONY: demo test docs notebooks bench check-gpu setup setup-all reinstall
 
 $(BIN)/activate:
 	@echo ">> Creating the virtual environment $(VENV)"
