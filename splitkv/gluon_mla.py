@@ -7,13 +7,15 @@ benchmarks), and :func:`unavailable_reason` says why it cannot run here.
 The ``tl`` kernel stays the portable path.
 
 Versions. Gluon's API changes between Triton releases; the kernel compiles for
-sm_90 with Triton 3.6 and 3.9 (checked on a CPU: :func:`compile_sm90`, and
+sm_90 with Triton 3.6 and 3.9 (checked on a CPU: :func:`compile_sm90`,
+``python -m splitkv.gluon_mla [--triton-path DIR]`` for its resources, and
 ``tests/test_gluon_compile.py`` in CI). :data:`RAN_ON_TRITON` lists the
 releases on which it *ran* and matched the oracle on a GPU; only those could
-ever be selected.
+ever be selected (:func:`selection_reason`).
 
     from splitkv.gluon_mla import gluon_mla_verify
-    gluon_mla_verify(q, k_ext, v_ext, out, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, sm_scale=576 ** -0.5)
+    # q [tokens, heads, 576], k_buf [slots, 1, 576], v_buf = k_buf[..., :512], 4 drafts at most
+    gluon_mla_verify(q, k_ext, v_ext, out, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, 4, sm_scale=576 ** -0.5)
 """
 
 from __future__ import annotations
