@@ -144,11 +144,11 @@ def gluon_mla_verify(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
     """MLA verify with the Gluon kernel: ``o_extend`` (and the natural-log ``lse [tokens, heads]``) filled.
 
     Arguments as in :func:`splitkv.verify_splitkv_fwd` (a tree as ``custom_mask`` / ``mask_indptr``, a
-    paged pool with ``kv_last_page_len``, an fp8 cache with ``k_scale`` / ``v_scale``); ``tile`` is ``(BLOCK_N, STAGES, OVERLAP)`` (:data:`TILES`);
-    ``n_splits`` slices per sequence (default: one wave of one program per SM, from the mean prefix
-    the shapes give). Reads no device value on the host, so it can be captured in a CUDA graph.
-    Raises ``RuntimeError`` where it cannot run (:func:`unavailable_reason`) and ``ValueError`` for
-    tensors it does not serve (:func:`decline_reason`).
+    paged pool with ``kv_last_page_len``, an fp8 cache with ``k_scale`` / ``v_scale``); ``tile`` is
+    ``(BLOCK_N, STAGES, OVERLAP)`` (:data:`TILES`); ``n_splits`` slices per sequence (default: one
+    wave of one program per SM, from the mean prefix the shapes give). Reads no device value on the
+    host, so it can be captured in a CUDA graph. Raises ``RuntimeError`` where it cannot run
+    (:func:`unavailable_reason`) and ``ValueError`` for tensors it does not serve (:func:`decline_reason`).
     """
     why = unavailable_reason(q_extend.device)
     if why:
@@ -285,9 +285,9 @@ def compile_sm90(num_q_heads: int = 128, max_len_extend: int = 4, tile: Tuple[in
 
     kernel, block_m, num_warps = _kernel()
     block_n, stages, overlap = tile
-    pointers = {"Q": "*bf16", "K_Ext": "*bf16", "K_Buf": "*fp8e4nv" if fp8 else "*bf16", "O": "*bf16", "LSE_Out": "*fp32",
-                "qo_indptr": "*i32", "kv_indptr": "*i32", "kv_indices": "*i32", "Last_Page_Len": "*i32",
-                "Mask": "*u8", "mask_indptr": "*i32", "Part_O": "*fp32"}
+    pointers = {"Q": "*bf16", "K_Ext": "*bf16", "K_Buf": "*fp8e4nv" if fp8 else "*bf16", "O": "*bf16",
+                "LSE_Out": "*fp32", "qo_indptr": "*i32", "kv_indptr": "*i32", "kv_indices": "*i32",
+                "Last_Page_Len": "*i32", "Mask": "*u8", "mask_indptr": "*i32", "Part_O": "*fp32"}
     consts = dict(NUM_Q_HEADS=num_q_heads, M_BLOCKS=cdiv(num_q_heads * max_len_extend, block_m), DV=LATENT_DIM,
                   ROPE_DIM=ROPE_DIM, BLOCK_N=block_n, STAGES=stages, OVERLAP=bool(overlap), PAGE_SIZE=page_size,
                   USE_MASK=tree, IS_CAUSAL=True, WRITE_LSE=False)
