@@ -2,6 +2,7 @@
 
     python -m splitkv.bench.gluon_mla             # the go / no-go rows, every Gluon tile (about a minute)
     python -m splitkv.bench.gluon_mla --quick     # the 128-head row, the default tile only
+    python -m splitkv.bench.gluon_mla --fp8       # an fp8 e4m3 latent cache (the tiles without OVERLAP)
 
 DeepSeek-V3 verify (576 = 512 + 64, one KV head, V a view of K, 4 drafts in a
 causal chain, bf16, a token pool with the prefix on random slots:
@@ -16,7 +17,9 @@ Gluon µs``; each Gluon output is compared with the ``tl`` kernel's.
 
 Go / no-go: the best Gluon tile must be at least :data:`GO_SPEEDUP` times
 faster than the ``tl`` kernel on the 128-head row. The result goes to
-``figures/gluon_mla_<gpu>.json``.
+``figures/gluon_mla_<gpu>.json`` (``gluon_mla_fp8_<gpu>.json`` with ``--fp8``,
+the cache quantised as :func:`splitkv.bench.mla.fp8_latent` does, GB/s
+counting one byte per element).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 
 from ..gluon_mla import DEFAULT_TILE, TILES, gluon_mla_verify, unavailable_reason
 from ..testing.reference import relative_error
-from .mla import _splitkv, flops, latent_bytes, mla_problem
+from .mla import _splitkv, flops, fp8_latent, latent_bytes, mla_problem
 from .timing import Timer, gpu_tag
 
 __all__ = ["ROWS", "GO_ROW", "GO_SPEEDUP", "bench_row", "verdict", "main"]
@@ -48,12 +51,14 @@ GO_SPEEDUP = 1.3
 def _gluon(p, out, tile):
     return lambda: gluon_mla_verify(p.q_extend, p.k_extend, p.v_extend, out, p.k_buffer, p.v_buffer, p.qo_indptr,
                                     p.kv_indptr, p.kv_indices, p.max_len_extend, is_causal=True,
-                                    sm_scale=p.sm_scale, tile=tile)
+                                    sm_scale=p.sm_scale, k_scale=p.k_scale, v_scale=p.v_scale, tile=tile)
 
 
-def bench_row(heads: int, batch: int, prefix: int, timer: Timer, tiles=TILES) -> dict:
+def bench_row(heads: int, batch: int, prefix: int, timer: Timer, tiles=TILES, fp8: bool = False) -> dict:
     """One row: the ``tl`` plan and every Gluon tile, timed and compared (a tile that fails is recorded)."""
     p = mla_problem(heads, batch, prefix)
+    if fp8:
+        p = fp8_latent(p)
     nbytes, work = latent_bytes(p), flops(p)
     row = dict(heads=heads, batch=batch, prefix=prefix, latent_mb=nbytes / 1e6, flops=work, impls={})
 
@@ -97,7 +102,8 @@ def _print_row(row: dict) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m splitkv.bench.gluon_mla", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="the go / no-go row and the default tile only")
-    ap.add_argument("--out", default=None, help="result JSON (default figures/gluon_mla_<gpu>.json)")
+    ap.add_argument("--fp8", action="store_true", help="an fp8 e4m3 latent cache")
+    ap.add_argument("--out", default=None, help="result JSON (default figures/gluon_mla[_fp8]_<gpu>.json)")
     args = ap.parse_args(argv)
     why = unavailable_reason()
     if why:
@@ -109,16 +115,19 @@ def main(argv=None):
     timer = Timer()
     result = dict(device=device, date=datetime.date.today().isoformat(), torch=torch.__version__,
                   triton=triton.__version__, python=platform.python_version(),
-                  command="python -m splitkv.bench.gluon_mla" + (" --quick" if args.quick else ""), rows=[])
+                  command=" ".join(["python -m splitkv.bench.gluon_mla"]
+                                   + [f for f, on in (("--quick", args.quick), ("--fp8", args.fp8)) if on]), rows=[])
     rows, tiles = ([GO_ROW], [DEFAULT_TILE]) if args.quick else (ROWS, TILES)
+    if args.fp8:
+        tiles = [t for t in tiles if not t[2]]
     for heads, batch, prefix in rows:
-        row = bench_row(heads, batch, prefix, timer, tiles)
+        row = bench_row(heads, batch, prefix, timer, tiles, args.fp8)
         result["rows"].append(row)
         _print_row(row)
         torch.cuda.empty_cache()
     result["verdict"] = verdict(result["rows"][0])
     result["elapsed_s"] = time.time() - start
-    out = args.out or os.path.join("figures", f"gluon_mla_{gpu_tag(device)}.json")
+    out = args.out or os.path.join("figures", f"gluon_mla{'_fp8' if args.fp8 else ''}_{gpu_tag(device)}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
