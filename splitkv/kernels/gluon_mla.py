@@ -96,10 +96,10 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .common import _tile_slices
 
-#: A barrier across the program's threads: ``thread_barrier`` up to Triton 3.6, ``barrier`` from 3.7.
+#: A barrier across the program's threads: ``thread_barrier`` in Triton 3.6, ``barrier`` in 3.9.
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
-#: cp.async into shared memory: ``async_copy_global_to_shared`` up to 3.6, ``async_load`` from 3.7.
+#: cp.async into shared memory: ``async_copy_global_to_shared`` in Triton 3.6, ``async_load`` in 3.9.
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 #: Rows of a tile (heads x drafts; the host reads ``BLOCK_M.value``) and warps of a program: two warpgroups.
