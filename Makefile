@@ -22,6 +22,9 @@ CORE_EXTRA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo . || echo .[interpre
 CORE_STAMP  := $(VENV)/.installed-core
 BENCH_STAMP := $(VENV)/.installed-bench
 ALL_STAMP   := $(VENV)/.installed-all
+# Triton 3.6 (the H200's), installed aside for the Gluon kernel's CPU compile check
+# (tests/test_gluon_compile.py); the package never imports it.
+TRITON36    := $(VENV)/triton36
 
 .PHONY: demo test docs notebooks bench validate check-gpu setup setup-all reinstall
 
@@ -64,11 +67,17 @@ demo: $(CORE_STAMP)
 	$(BIN)/python -m splitkv demo
 
 ## Every test: unit/property tests, notebooks under nbval (their exercises solved: SPLITKV_SOLUTIONS=1), the docs build and the browser check.
-test: $(ALL_STAMP)
+test: $(ALL_STAMP) triton36
 	$(BIN)/python -m pytest -q tests --ignore=tests/browser
 	SPLITKV_SOLUTIONS=1 $(BIN)/python -m pytest -q --nbval notebooks --nbval-sanitize-with notebooks/nbval_sanitize.cfg
 	$(BIN)/mkdocs build --strict
 	$(BIN)/python -m pytest -q tests/browser
+
+## Triton 3.6 in .venv/triton36 (once; without a network the check that uses it is skipped).
+triton36: | $(BIN)/activate
+	@[ -e $(TRITON36)/.installed ] || { echo ">> Installing Triton 3.6 aside into $(TRITON36) (once)"; \
+	  $(BIN)/python -m pip install -q --no-deps --target $(TRITON36) triton==3.6.0 && touch $(TRITON36)/.installed \
+	  || echo ">> Triton 3.6 unavailable: its compile check will be skipped"; }
 
 ## Open the tutorial notebooks in JupyterLab (it prints the address to open).
 notebooks: $(ALL_STAMP)

@@ -7,6 +7,7 @@
 * ``python -m splitkv.bench.parallel`` -- context parallelism over GPUs;
 * ``python -m splitkv.bench.ladder`` -- the small-batch latency ladder (gather, dots, softmax, partials, merge);
 * ``python -m splitkv.bench.mla`` -- MLA (DeepSeek-style) verify rows;
+* ``python -m splitkv.bench.gluon_mla`` -- the Gluon MLA kernel for sm_90 against the ``tl`` one (go / no-go);
 * ``python -m splitkv.bench.tune`` -- the tile sweep behind the tuned tables;
 * ``python -m splitkv.bench.record_resources`` -- the shared-memory table behind :mod:`splitkv.resources`.
 
