@@ -336,17 +336,10 @@ def test_host_times():
               "(Llama-3-8B, batch 1 / 1k)")
 
 
-#: The main benchmark's record of the run on 2026-12-01 that the host-time drift compares with.
-EARLIER_RUN = ("2ede29c", "figures/benchmark_h200.json")
 
 
 def test_host_time_drift_against_the_earlier_run():
-    try:
-        text = subprocess.run(["git", "show", ":".join(EARLIER_RUN)], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("the earlier run's record needs this checkout's git history")
-    earlier = json.loads(text)
+    earlier = earlier_record(EARLIER_RUN)
     assert earlier["date"] == "2026-12-01"
     h = [r["impls"]["splitkv"]["host_us"] for r in earlier["rows"]]
 
@@ -513,3 +506,94 @@ def test_ladder_fp8_heads_together():
     assert len(at) == 1
     says("docs/benchmarks.md", f"in fp8 pools its floor is {span(ratio.values(), 2)}× the per-head one, {at.pop()}× "
                                "at the 128-dim models' batch 8 / 64k")
+
+
+# --------------------------------------------------------------------------- earlier runs' records
+
+#: Committed records of earlier runs that the pages compare with, (commit, path): the main benchmark of
+#: 2026-12-01 (host times) and the MLA benchmark of 2026-12-02 (batch 1 in one 64-row tile).
+EARLIER_RUN = ("2ede29c", "figures/benchmark_h200.json")
+EARLIER_MLA = ("01c4813", "figures/benchmark_mla_h200.json")
+
+
+def earlier_record(where: tuple) -> dict:
+    """A record as an earlier commit holds it (the test skips where the checkout has no history)."""
+    try:
+        text = subprocess.run(["git", "show", ":".join(where)], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("an earlier run's record needs this checkout's git history")
+    return json.loads(text)
+
+
+def test_mla_batch1_against_one_64_row_tile():
+    earlier = earlier_record(EARLIER_MLA)
+    assert earlier["date"] == "2026-12-02"
+    old = {r["prefix"]: us(r["impls"]["splitkv"]["us"]) for r in earlier["rows"] if r["heads"] == 16 and r["batch"] == 1}
+    assert all(r["impls"]["splitkv"]["config"].startswith("TileConfig(block_m=64") for r in earlier["rows"]
+               if r["heads"] == 16 and r["batch"] == 1)
+    new = {r["prefix"]: us(mla(r)) for r in mla_rows() if r["heads"] == 16 and r["batch"] == 1}
+    assert all(r["impls"]["splitkv"]["config"].startswith("TileConfig(block_m=32") for r in mla_rows()
+               if r["heads"] == 16 and r["batch"] == 1)
+    says("docs/benchmarks.md", f"{new[4096]} / {new[16384]} / {new[65536]} µs at 4k / 16k / 64k, where one 64-row "
+                               f"tile took {old[4096]} / {old[16384]} / {old[65536]} ({earlier['date']},")
+
+
+# --------------------------------------------------------------------------- probes kept in logs and tables
+
+LOG = ROOT / "notebooks" / "h200_run" / "gpu_tests.log"
+_LOG_ROW = re.compile(r"^(?P<model>\S+) (?P<kv>fp8|bf16) bs(?P<batch>\d+) (?P<prefix>\d+): A merge \d+ ns \d+ "
+                      r"\[\((?P<a_regs>\d+), (?P<a_spills>\d+)\)\] (?P<a>[\d.]+) \|.*\| D2 merge \d+ ns \d+ "
+                      r"\[\((?P<d_regs>\d+), (?P<d_spills>\d+)\)\] (?P<d>[\d.]+) \|")
+_LABEL = {"Qwen3-Next": "qwen3-next", "Llama-3-8B": "llama3-8b", "Qwen3-32B": "qwen3-32b"}
+
+
+def markdown_table(name: str, header: str) -> list:
+    """The rows (cells as printed) of the table whose header line starts with ``header``."""
+    lines = (ROOT / name).read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    out = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        out.append([c.strip() for c in line.strip("|").split("|")])
+    return out
+
+
+def test_cost_of_the_bounds_check_is_the_logged_a_b():
+    """The bounds-check table is the log's A (as shipped) and D2 (slot check removed) of one same-process probe."""
+    logged = {}
+    for line in LOG.read_text(encoding="utf-8").splitlines():
+        m = _LOG_ROW.match(line)
+        if m:
+            logged[m["model"], m["kv"], int(m["batch"]), int(m["prefix"])] = m
+    costs = []
+    for shape, with_, without, cost in markdown_table("docs/benchmarks.md", "| shape | with the check, µs |"):
+        sm = re.fullmatch(r"(\S+)( fp8)? bs (\d+) / (\d+)k", shape)
+        m = logged[_LABEL[sm[1]], "fp8" if sm[2] else "bf16", int(sm[3]), int(sm[4]) * 1024]
+        for cell, t, regs, spills in ((with_, m["a"], m["a_regs"], m["a_spills"]),
+                                      (without, m["d"], m["d_regs"], m["d_spills"])):
+            assert cell in (t, f"{t} ({regs} / {spills})"), (shape, cell, t)
+        c = (float(m["a"]) / float(m["d"]) - 1) * 100
+        assert cost == f"{'+' if c >= 0 else '−'}{abs(c):.1f} %", (shape, cost, c)
+        costs.append(c)
+    assert len(costs) == 6
+    says("docs/benchmarks.md", f"The check costs up to {num(max(costs))} %, most where registers are tight")
+    says("docs/design.md", f"pool's slot check costs up to {num(max(costs))} % on the current kernel")
+
+
+def test_merge_cost_from_the_design_table():
+    rows_ = markdown_table("docs/design.md", "| shape | merged by | float32 partials |")
+    b1 = [(r[0], float(r[2]) - float(r[4]), float(r[3]) - float(r[4])) for r in rows_ if "batch 1 /" in r[0]]
+    f32, b16 = [x[1] for x in b1], [x[2] for x in b1]
+    assert max(b1, key=lambda x: x[2])[0] == "Qwen3-Next, batch 1 / 16k"
+    says("docs/design.md", f"costs {span(b16, 1)} µs with bf16 partials and {span(f32, 1)} µs with float32 ones, "
+                           "most at Qwen3-Next's 16k row")
+    says("docs/benchmarks.md", f"The merge alone still costs {span(b16, 1)} µs at batch 1")
+
+
+def test_torch_compile_second_launch_from_the_design_table():
+    (llama,) = [r for r in markdown_table("docs/design.md", "| model (`BLOCK_M × Dv`) |") if r[0].startswith("Llama")]
+    one, spread = llama[2].split()[0], llama[3].split()[0]
+    says("docs/benchmarks.md", f"the custom op always merges in a second launch, {spread} against {one} µs for "
+                               "Llama-3-8B at batch 1 / 4k")
