@@ -206,7 +206,8 @@ def test_readme_prose():
     assert max(map(pct_bw, large)) > 100 and beat > 0
     says("README.md", f"the bare gather kernel beats it too, by up to {num(beat)} % at those rows")
     b14 = rows("bf16", batch=1, prefix=4096)
-    says("README.md", f"At batch 1 and 4k-token prefixes splitkv takes {span(map(over_gather, b14), 1)}× the gather floor")
+    says("README.md", f"At batch 1 and 4k-token prefixes splitkv takes {span(map(over_gather, b14), 1)}× the "
+                      "gather floor")
 
 
 # --------------------------------------------------------------------------- the benchmarks page: main run
@@ -224,9 +225,9 @@ def test_benchmarks_run_parts_and_bandwidth():
     says("docs/benchmarks.md", f"every floor is taken at the first run's read bandwidth, "
                                f"{num(b['read_bandwidth'] / 1e12, 2)} TB/s (the second measured the same)")
     says("docs/benchmarks.md", f"make bench # the full sweep (about {num(b['elapsed_s'] / 60)} minutes on an H200)")
-    says("docs/benchmarks.md", f"python -m splitkv.bench.mla # MLA (DeepSeek-V3), about "
-                               f"{['zero', 'one', 'two', 'three', 'four', 'five'][round(record('benchmark_mla_h200')['elapsed_s'] / 60)]}"
-                               " minutes")
+    minutes = round(record("benchmark_mla_h200")["elapsed_s"] / 60)
+    words = ["zero", "one", "two", "three", "four", "five", "six"]
+    says("docs/benchmarks.md", f"python -m splitkv.bench.mla # MLA (DeepSeek-V3), about {words[minutes]} minutes")
 
 
 def test_benchmarks_in_short():
@@ -247,9 +248,9 @@ def test_benchmarks_in_short():
     beat = max(r["floor_us"] / r["gather_floor_us"] - 1 for r in large) * 100
     says("docs/benchmarks.md", f"Wherever a call reads 1 GB or more ({len(large)} rows, bf16 pool), splitkv runs at "
                                f"{span(map(pct_bw, large))} % of the measured read bandwidth, "
-                               f"{span(map(over_gather, large), 2)}× the gather floor. Above 100 % is possible because "
-                               "that bandwidth is torch's `x.sum()` over a contiguous 2 GiB buffer, not the memory's "
-                               f"peak: at those rows the bare gather kernel beats it too, by up to {num(beat)} %.")
+                               f"{span(map(over_gather, large), 2)}× the gather floor. Above 100 % is possible "
+                               "because that bandwidth is torch's `x.sum()` over a contiguous 2 GiB buffer, not the "
+                               f"memory's peak: at those rows the bare gather kernel beats it too, by up to {num(beat)} %.")
     at = {p: [graph(r, "extend") / graph(r) for r in rows("bf16", prefix=p)] for p in (1024, 65536)}
     says("docs/benchmarks.md", f"Against `extend_attention_fwd` (bf16): {span(at[1024], 1, 0)}× faster at 1k-token "
                                f"prefixes, {span(at[65536])}× at 64k")
@@ -487,7 +488,8 @@ def test_mla_fp8():
 
     sweep = {}
     for t in record("mla_tiles_fp8_h200")["tile_sweep"]:
-        sweep.setdefault((t["heads"], t["batch"], t["prefix"]), {})[t["block_n"], t["num_warps"], t["num_stages"]] = t["us"]
+        tiles = sweep.setdefault((t["heads"], t["batch"], t["prefix"]), {})
+        tiles[t["block_n"], t["num_warps"], t["num_stages"]] = t["us"]
     shipped = (64, 8, 2)
     one_stage = [(1 - tiles[64, 8, 1] / tiles[shipped]) * 100 for tiles in sweep.values()]
     says(doc, f"found 64 keys, 8 warps and one stage {span(one_stage)} % faster than the two stages used here")
@@ -529,7 +531,8 @@ def earlier_record(where: tuple) -> dict:
 def test_mla_batch1_against_one_64_row_tile():
     earlier = earlier_record(EARLIER_MLA)
     assert earlier["date"] == "2026-12-02"
-    old = {r["prefix"]: us(r["impls"]["splitkv"]["us"]) for r in earlier["rows"] if r["heads"] == 16 and r["batch"] == 1}
+    old = {r["prefix"]: us(r["impls"]["splitkv"]["us"]) for r in earlier["rows"]
+           if r["heads"] == 16 and r["batch"] == 1}
     assert all(r["impls"]["splitkv"]["config"].startswith("TileConfig(block_m=64") for r in earlier["rows"]
                if r["heads"] == 16 and r["batch"] == 1)
     new = {r["prefix"]: us(mla(r)) for r in mla_rows() if r["heads"] == 16 and r["batch"] == 1}
@@ -597,3 +600,33 @@ def test_torch_compile_second_launch_from_the_design_table():
     one, spread = llama[2].split()[0], llama[3].split()[0]
     says("docs/benchmarks.md", f"the custom op always merges in a second launch, {spread} against {one} µs for "
                                "Llama-3-8B at batch 1 / 4k")
+
+
+#: The benchmark runs of 2026-12-01 that the design notes' fp8 history quotes: the one beside the float16-dot
+#: probes, and the runs before and after Qwen3-Next's fp8 tile began loading K as rows.
+EARLIER_FP8 = ("0408790", "figures/benchmark_h200.json")
+EARLIER_K_COLUMNS = ("0bc32b6", "figures/benchmark_h200.json")
+EARLIER_K_ROWS = ("ba4feb8", "figures/benchmark_h200.json")
+
+
+def graph_in(result: dict, model: str, batch: int, prefix: int, fp8: bool) -> str:
+    (r,) = [r for r in result["rows"] if (r["model"], r["batch"], r["prefix"]) == (model, batch, prefix)
+            and r["kv_dtype"].startswith("float8") == fp8]
+    return us(graph(r))
+
+
+def test_design_fp8_history_from_earlier_runs():
+    earlier = earlier_record(EARLIER_FP8)
+    assert earlier["date"] == "2026-12-01"
+    table = markdown_table("docs/design.md", "| shape | bf16 pool | fp8, bf16 dots (before) |")
+    shapes = {"Llama-3-8B, batch 8, 64k": ("llama3-8b", 8, 65536), "Qwen3-32B, batch 8, 16k": ("qwen3-32b", 8, 16384),
+              "Qwen3-Next, batch 8, 64k": ("qwen3-next", 8, 65536), "Llama-3-8B, batch 1, 4k": ("llama3-8b", 1, 4096)}
+    assert [r[0] for r in table] == list(shapes)
+    for cells in table:
+        assert cells[1].split()[0] == graph_in(earlier, *shapes[cells[0]], fp8=False), cells
+        assert cells[4] == graph_in(earlier, *shapes[cells[0]], fp8=True), cells
+    before, after = earlier_record(EARLIER_K_COLUMNS), earlier_record(EARLIER_K_ROWS)
+    assert before["date"] == after["date"] == "2026-12-01"
+    says("docs/design.md", f"two benchmark runs of {after['date']} before and after: "
+                           f"{graph_in(before, 'qwen3-next', 8, 65536, True)} → "
+                           f"{graph_in(after, 'qwen3-next', 8, 65536, True)} µs for Qwen3-Next")
