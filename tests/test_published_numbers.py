@@ -250,7 +250,8 @@ def test_benchmarks_in_short():
                                f"{span(map(pct_bw, large))} % of the measured read bandwidth, "
                                f"{span(map(over_gather, large), 2)}× the gather floor. Above 100 % is possible "
                                "because that bandwidth is torch's `x.sum()` over a contiguous 2 GiB buffer, not the "
-                               f"memory's peak: at those rows the bare gather kernel beats it too, by up to {num(beat)} %.")
+                               "memory's peak: at those rows the bare gather kernel beats it too, by up to "
+                               f"{num(beat)} %.")
     at = {p: [graph(r, "extend") / graph(r) for r in rows("bf16", prefix=p)] for p in (1024, 65536)}
     says("docs/benchmarks.md", f"Against `extend_attention_fwd` (bf16): {span(at[1024], 1, 0)}× faster at 1k-token "
                                f"prefixes, {span(at[65536])}× at 64k")
@@ -508,6 +509,9 @@ def test_ladder_fp8_heads_together():
     assert len(at) == 1
     says("docs/benchmarks.md", f"in fp8 pools its floor is {span(ratio.values(), 2)}× the per-head one, {at.pop()}× "
                                "at the 128-dim models' batch 8 / 64k")
+    earlier = earlier_record(EARLIER_LADDER)
+    old = [r["heads_together"]["us"] / r["per_head"]["us"] for r in earlier["rows"]]
+    says("docs/benchmarks.md", f"The earlier floor kernel had measured {span(old, 2)}× ({earlier['date']});")
 
 
 # --------------------------------------------------------------------------- earlier runs' records
@@ -516,6 +520,8 @@ def test_ladder_fp8_heads_together():
 #: 2026-12-01 (host times) and the MLA benchmark of 2026-12-02 (batch 1 in one 64-row tile).
 EARLIER_RUN = ("2ede29c", "figures/benchmark_h200.json")
 EARLIER_MLA = ("01c4813", "figures/benchmark_mla_h200.json")
+#: The fp8 floors of 2026-12-02, measured by the floor kernel before its one-accumulator form.
+EARLIER_LADDER = ("4de37b2", "figures/ladder_h200_fp8.json")
 
 
 def earlier_record(where: tuple) -> dict:
@@ -630,3 +636,14 @@ def test_design_fp8_history_from_earlier_runs():
     says("docs/design.md", f"two benchmark runs of {after['date']} before and after: "
                            f"{graph_in(before, 'qwen3-next', 8, 65536, True)} → "
                            f"{graph_in(after, 'qwen3-next', 8, 65536, True)} µs for Qwen3-Next")
+
+
+def test_host_pieces_from_the_logged_probe():
+    text = LOG.read_text(encoding="utf-8")
+    m = re.search(r"pieces on a fast CPU \(llama3-8b bs1 1k\): the launch alone \(prebuilt arguments\) "
+                  r"(?P<launch>[\d.]+-[\d.]+), the signature (?P<key>[\d.]+),\s*##\s*the partials' allocation "
+                  r"(?P<scratch>[\d.]+);", text)
+    assert m, "the host pieces' probe is no longer in the log"
+    says("docs/benchmarks.md", f"the launch through Triton's compiled launcher takes {m['launch'].replace('-', '–')} "
+                               f"µs, the cache key of the call's signature {m['key']} and the scratch allocation "
+                               f"{m['scratch']}")
