@@ -647,3 +647,11 @@ def test_host_pieces_from_the_logged_probe():
     says("docs/benchmarks.md", f"the launch through Triton's compiled launcher takes {m['launch'].replace('-', '–')} "
                                f"µs, the cache key of the call's signature {m['key']} and the scratch allocation "
                                f"{m['scratch']}")
+
+
+def test_ladder_qwen3_next_before_the_merge():
+    rs = [r for r in record("ladder_h200")["rows"] if r["model"] == "qwen3-next" and r["batch"] == 1]
+    assert sorted(r["prefix"] for r in rs) == [1024, 4096, 16384]
+    before_merge = [r["rungs"]["4"]["us"] / r["gather_floor_us"] for r in rs]
+    says("docs/benchmarks.md", f"its 256-dim slices take {span(before_merge, 1)}× the gather floor before any merge "
+                               "(the latency ladder's fourth rung")
