@@ -655,3 +655,54 @@ def test_ladder_qwen3_next_before_the_merge():
     before_merge = [r["rungs"]["4"]["us"] / r["gather_floor_us"] for r in rs]
     says("docs/benchmarks.md", f"its 256-dim slices take {span(before_merge, 1)}× the gather floor before any merge "
                                "(the latency ladder's fourth rung")
+
+
+# --------------------------------------------------------------------------- the shipped tuning table's sweeps
+
+@lru_cache(maxsize=None)
+def tuning() -> dict:
+    return json.loads((ROOT / "splitkv" / "tables" / "nvidia_h200.json").read_text(encoding="utf-8"))
+
+
+def swept(model: str, kv: str, block_n: int, warps: int, stages: int, k_rows: bool, paged: int = 0) -> dict:
+    sweep = tuning()["paged_tile_sweep" if paged else "tile_sweep"]
+    (t,) = [t for t in sweep if (t["model"], t["kv_dtype"], t["block_n"], t["num_warps"], t["num_stages"], t["k_rows"])
+            == (model, kv, block_n, warps, stages, k_rows) and t.get("page_size", 0) == paged]
+    return t
+
+
+def pair(t: dict) -> str:
+    """A sweep entry's 16k / 64k times, as the design notes print them."""
+    return f"{us(t['us_by_prefix']['16384'])} / {us(t['us_by_prefix']['65536'])}"
+
+
+def test_design_tuning_sweeps():
+    doc = "docs/design.md"
+    gm = {int(k): num(v, 1) for k, v in tuning()["min_split_geomean_us"].items()}
+    fastest = min(tuning()["min_split_geomean_us"].items(), key=lambda x: x[1])[0]
+    assert tuning()["min_split_tokens"] == 128 == int(fastest)
+    says(doc, f"the sweep's geometric mean over its shapes was {gm[128]} µs at 128 against {gm[64]} at 64, "
+              f"{gm[256]} at 256 and {gm[512]} at 512")
+    bf, f8 = "bfloat16", "float8_e4m3fn"
+    cols, rows_ = swept("qwen3-next", bf, 64, 4, 3, False), swept("qwen3-next", bf, 64, 4, 3, True)
+    assert (cols["n_regs"], rows_["n_regs"], rows_["n_spills"]) == (255, 224, 0) and cols["n_spills"] > 0
+    two = min((t for t in tuning()["tile_sweep"] if t["model"] == "qwen3-next" and t["kv_dtype"] == bf
+               and t["num_stages"] == 2), key=lambda t: t["us"])
+    assert min((t for t in tuning()["tile_sweep"] if t["model"] == "qwen3-next" and t["kv_dtype"] == bf),
+               key=lambda t: t["us"]) is rows_  # "the fastest of its sweep"
+    says(doc, f"stages needed 255 registers and spilled with K as `[D, BLOCK_N]` ({pair(cols)} µs), and fitted 224 "
+              f"without spills with K as rows ({pair(rows_)} µs, the fastest of its sweep; the best two-stage tile "
+              f"took {pair(two)}). Its fp8 tile gained too ({pair(swept('qwen3-next', f8, 64, 4, 3, True))} against "
+              f"{pair(swept('qwen3-next', f8, 64, 4, 3, False))})")
+    l_rows, l_cols = swept("llama3-8b", bf, 128, 4, 2, True), swept("llama3-8b", bf, 128, 4, 2, False)
+    q_rows, q_cols = swept("qwen3-32b", bf, 128, 4, 2, True), swept("qwen3-32b", bf, 128, 4, 2, False)
+    fp8 = [swept(m, f8, 128, 4, 3, True)["us_by_prefix"][p] / swept(m, f8, 128, 4, 3, False)["us_by_prefix"][p] - 1
+           for m in ("llama3-8b", "qwen3-32b") for p in ("16384", "65536")]
+    says(doc, f"Llama-3-8B bf16 {pair(l_rows)} against {pair(l_cols)} (the table keeps the faster by "
+              f"{num((1 - l_rows['us'] / l_cols['us']) * 100, 1)} %), Qwen3-32B bf16 {pair(q_rows)} against "
+              f"{pair(q_cols)} ({q_rows['n_regs']} registers), their fp8 tiles {span(x * 100 for x in fp8)} % slower")
+    p3, p2 = swept("qwen3-next", bf, 64, 4, 3, True, paged=64), swept("qwen3-next", bf, 64, 4, 2, True, paged=64)
+    assert p3["programs_per_sm"] == 1
+    says(doc, f"whole in shared memory, {num(p3['shared'] / 1000)} KB, which leaves one program per SM, and it ran "
+              f"{num((p3['us_by_prefix']['65536'] / p2['us_by_prefix']['65536'] - 1) * 100)} % slower there than two "
+              f"stages (batch 8 / 64k: {us(p3['us_by_prefix']['65536'])} against {us(p2['us_by_prefix']['65536'])} µs")
