@@ -706,3 +706,33 @@ def test_design_tuning_sweeps():
     says(doc, f"whole in shared memory, {num(p3['shared'] / 1000)} KB, which leaves one program per SM, and it ran "
               f"{num((p3['us_by_prefix']['65536'] / p2['us_by_prefix']['65536'] - 1) * 100)} % slower there than two "
               f"stages (batch 8 / 64k: {us(p3['us_by_prefix']['65536'])} against {us(p2['us_by_prefix']['65536'])} µs")
+
+
+def test_design_small_batch_sweep():
+    sweep = tuning()["small_batch_sweep"]
+
+    def entry(model, block_n, warps, stages):
+        (t,) = [t for t in sweep if (t["model"], t["block_n"], t["num_warps"], t["num_stages"])
+                == (model, block_n, warps, stages)]
+        return t
+
+    def times(d):
+        return f"{us(d['4096'])} / {us(d['16384'])}"
+
+    llama, qwen = entry("llama3-8b", 128, 4, 3), entry("qwen3-32b", 128, 4, 3)
+    for model in ("llama3-8b", "qwen3-32b"):  # 128-key tiles, 4 warps, 3 stages: each model's fastest
+        own = [t for t in sweep if t["model"] == model]
+        best_ = min(own, key=lambda t: sum(t["us"].values()))
+        assert (best_["block_n"], best_["num_warps"], best_["num_stages"]) == (128, 4, 3)
+        for p in best_["us"]:  # no 8-warp tile was as fast, at either prefix
+            assert min(t["us"][p] for t in own if t["num_warps"] == 8) > best_["us"][p]
+    assert all(any(t["us"][p] >= t["usual_us"][p] for p in t["us"]) for t in sweep if t["model"] == "qwen3-next")
+    says("docs/design.md", f"Llama-3-8B {times(llama['us'])} µs against {times(llama['usual_us'])} µs, Qwen3-32B "
+                           f"{times(qwen['us'])} against {times(qwen['usual_us'])}; no 8-warp tile was as fast; for "
+                           "Qwen3-Next no tile beat the usual schedule")
+
+
+def test_design_graph_node_cost():
+    fixed = record("fixed_costs_h200")
+    node = fixed["two_empty_kernels_us"] - fixed["one_empty_kernel_us"]
+    says("docs/design.md", f"each extra node costs about {num(node, 1)} µs per replay on the H200")
