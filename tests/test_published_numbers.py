@@ -736,3 +736,31 @@ def test_design_graph_node_cost():
     fixed = record("fixed_costs_h200")
     node = fixed["two_empty_kernels_us"] - fixed["one_empty_kernel_us"]
     says("docs/design.md", f"each extra node costs about {num(node, 1)} µs per replay on the H200")
+
+
+#: Breadth records quoted by the design notes: the logit cap of an earlier run, the sigmoid form of the cap (the
+#: last run before the exp2 form), and the window's grid before it was sized for the window alone.
+EARLIER_CAP = ("0bc32b6", "figures/benchmark_breadth_h200.json")
+EARLIER_SIGMOID_CAP = ("881d09f", "figures/benchmark_breadth_h200.json")
+EARLIER_WINDOW = ("f4854b7", "figures/benchmark_breadth_h200.json")
+
+
+def cap_cost(result: dict) -> str:
+    return span(((f["ratio"] - 1) * 100 for f in result["features"] if "logit_cap" in f["features"]))
+
+
+def window_ratio(result: dict) -> str:
+    (f,) = [f for f in result["features"] if "sliding_window_size" in f["features"]]
+    return num(f["ratio"], 2)
+
+
+def test_design_score_features():
+    now = record("benchmark_breadth_h200")
+    cost = cap_cost(now)
+    lo, hi = cost.split("–")
+    assert lo == hi  # printed as one number
+    says("docs/design.md", f"one `exp2` and one division per score, {lo} % over the plain call at Gemma-2-9B's shape on "
+                           f"the H200 ({cap_cost(earlier_record(EARLIER_CAP))} % in an earlier run), where a sigmoid "
+                           f"form with two divisions cost {cap_cost(earlier_record(EARLIER_SIGMOID_CAP))} %)")
+    says("docs/design.md", f"plain call has one slice: {window_ratio(earlier_record(EARLIER_WINDOW))}× its time on the "
+                           f"H200, against {window_ratio(now)}× now)")
