@@ -759,8 +759,9 @@ def test_design_score_features():
     cost = cap_cost(now)
     lo, hi = cost.split("–")
     assert lo == hi  # printed as one number
-    says("docs/design.md", f"one `exp2` and one division per score, {lo} % over the plain call at Gemma-2-9B's shape on "
-                           f"the H200 ({cap_cost(earlier_record(EARLIER_CAP))} % in an earlier run), where a sigmoid "
-                           f"form with two divisions cost {cap_cost(earlier_record(EARLIER_SIGMOID_CAP))} %)")
-    says("docs/design.md", f"plain call has one slice: {window_ratio(earlier_record(EARLIER_WINDOW))}× its time on the "
-                           f"H200, against {window_ratio(now)}× now)")
+    earlier, sigmoid = cap_cost(earlier_record(EARLIER_CAP)), cap_cost(earlier_record(EARLIER_SIGMOID_CAP))
+    says("docs/design.md", f"one `exp2` and one division per score, {lo} % over the plain call at Gemma-2-9B's shape "
+                           f"on the H200 ({earlier} % in an earlier run), where a sigmoid form with two divisions cost "
+                           f"{sigmoid} %)")
+    before = window_ratio(earlier_record(EARLIER_WINDOW))
+    says("docs/design.md", f"plain call has one slice: {before}× its time on the H200, against {window_ratio(now)}× now)")
