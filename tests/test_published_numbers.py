@@ -764,4 +764,5 @@ def test_design_score_features():
                            f"on the H200 ({earlier} % in an earlier run), where a sigmoid form with two divisions cost "
                            f"{sigmoid} %)")
     before = window_ratio(earlier_record(EARLIER_WINDOW))
-    says("docs/design.md", f"plain call has one slice: {before}× its time on the H200, against {window_ratio(now)}× now)")
+    says("docs/design.md", f"plain call has one slice: {before}× its time on the H200, against "
+                           f"{window_ratio(now)}× now)")
