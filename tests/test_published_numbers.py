@@ -766,3 +766,20 @@ def test_design_score_features():
     before = window_ratio(earlier_record(EARLIER_WINDOW))
     says("docs/design.md", f"plain call has one slice: {before}× its time on the H200, against "
                            f"{window_ratio(now)}× now)")
+
+
+#: The MLA benchmark's run right after batch-1 launches were cut into two 32-row tiles (EARLIER_MLA: before).
+EARLIER_MLA_CUT = ("ca07ad3", "figures/benchmark_mla_h200.json")
+
+
+def test_design_mla_cut_into_two_tiles():
+    before, after = earlier_record(EARLIER_MLA), earlier_record(EARLIER_MLA_CUT)
+    assert before["date"] == after["date"] == "2026-12-02"
+
+    def b1(result):
+        return {r["prefix"]: r["impls"]["splitkv"] for r in result["rows"] if r["heads"] == 16 and r["batch"] == 1}
+
+    old, new = b1(before), b1(after)
+    assert all(new[p]["config"].startswith("TileConfig(block_m=32") for p in new)
+    says("docs/design.md", f"the call takes {span((new[p]['us'] / old[p]['us'] for p in new), 2)}× the time at "
+                           f"4k–64k (the MLA benchmark of {after['date']}, before and after the cut)")
