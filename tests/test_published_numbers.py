@@ -783,3 +783,27 @@ def test_design_mla_cut_into_two_tiles():
     assert all(new[p]["config"].startswith("TileConfig(block_m=32") for p in new)
     says("docs/design.md", f"the call takes {span((new[p]['us'] / old[p]['us'] for p in new), 2)}× the time at "
                            f"4k–64k (the MLA benchmark of {after['date']}, before and after the cut)")
+
+
+def test_design_mla_layout_probes_from_the_log():
+    text = LOG.read_text(encoding="utf-8")
+    same_tile, per_row = [], {}
+    for m in re.finditer(r"^\s*(\d+h b\d+ 16k) tile (\d+), (\d+), 8, (\d) A ([\d.]+) \(\d+/\d+\)\s+"
+                         r"B (?:([\d.]+)|does not fit)", text, re.M):
+        row, tile, a, b = m[1], (int(m[2]), int(m[3]), int(m[4])), float(m[5]), m[6]
+        shipped = per_row.setdefault(row, {"a": None, "b": []})
+        if tile == ((32 if " b1 " in row and row.startswith("16h") else 64), 64, 2):
+            shipped["a"] = a
+        if b:
+            same_tile.append(float(b) / a)
+            shipped["b"].append(float(b))
+    assert len(per_row) == 4 and all(v["a"] for v in per_row.values())
+    says("docs/design.md", f"the call took {span(same_tile, 1)}× as long at the same tile, "
+                           f"{span((min(v['b']) / v['a'] for v in per_row.values()), 1)}× the shipped tile's time")
+    cut = []
+    for m in re.finditer(r"^16h (b\d+) (\d+k)  64, 64, 8, 2: ([\d.]+); (.*)$", text, re.M):
+        others = [float(x.split(": ")[1]) for x in m[4].split("; ")]
+        cut.append(min(others) / float(m[3]))
+    assert len(cut) == 3
+    says("docs/design.md", f"tiles reading each latent row, no spills) took {span(cut, 1, 2)}× as long at batch 8 "
+                           "and 32")
