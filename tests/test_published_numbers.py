@@ -807,3 +807,21 @@ def test_design_mla_layout_probes_from_the_log():
     assert len(cut) == 3
     says("docs/design.md", f"tiles reading each latent row, no spills) took {span(cut, 1, 2)}× as long at batch 8 "
                            "and 32")
+
+
+def test_design_slices_per_merge_step_from_the_log():
+    text = LOG.read_text(encoding="utf-8")
+    table = {}
+    row = re.compile(r"^(\S+)\s+b(\d+)\s+(\d+k)\s+(last|grid)\s+(\d+)" + r"\s+([\d.]+)" * 4 + r"\s*$", re.M)
+    for m in row.finditer(text):
+        times = dict(zip((2, 4, 8, 16), (m[6], m[7], m[8], m[9])))
+        table[m[1], int(m[2]), m[3]] = times
+        if m[4] == "grid" and int(m[5]) > 8:  # merge programs reading more than 8 slices: fastest at 16
+            assert float(times[16]) == min(map(float, times.values()))
+    q4, q16 = table["qwen3-32b", 1, "4k"], table["qwen3-32b", 1, "16k"]
+    n4, n16 = table["qwen3-next", 1, "4k"], table["qwen3-next", 1, "16k"]
+    l1 = table["llama3-8b", 1, "1k"]
+    assert min(l1.items(), key=lambda x: float(x[1]))[0] == 4
+    says("docs/design.md", f"(Qwen3-32B batch 1 / 4k {q4[4]} → {q4[16]} µs, / 16k {q16[4]} → {q16[16]}; "
+                           f"Qwen3-Next batch 1 / 4k {n4[4]} → {n4[16]}, / 16k {n16[4]} → {n16[16]}), while "
+                           f"Llama-3-8B's last-program merge was fastest at 4 (batch 1 / 1k {l1[4]} µs, {l1[16]} at 16)")
