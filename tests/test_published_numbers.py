@@ -824,4 +824,5 @@ def test_design_slices_per_merge_step_from_the_log():
     assert min(l1.items(), key=lambda x: float(x[1]))[0] == 4
     says("docs/design.md", f"(Qwen3-32B batch 1 / 4k {q4[4]} → {q4[16]} µs, / 16k {q16[4]} → {q16[16]}; "
                            f"Qwen3-Next batch 1 / 4k {n4[4]} → {n4[16]}, / 16k {n16[4]} → {n16[16]}), while "
-                           f"Llama-3-8B's last-program merge was fastest at 4 (batch 1 / 1k {l1[4]} µs, {l1[16]} at 16)")
+                           f"Llama-3-8B's last-program merge was fastest at 4 (batch 1 / 1k {l1[4]} µs, {l1[16]} "
+                           "at 16)")
