@@ -826,3 +826,40 @@ def test_design_slices_per_merge_step_from_the_log():
                            f"Qwen3-Next batch 1 / 4k {n4[4]} → {n4[16]}, / 16k {n16[4]} → {n16[16]}), while "
                            f"Llama-3-8B's last-program merge was fastest at 4 (batch 1 / 1k {l1[4]} µs, {l1[16]} "
                            "at 16)")
+
+
+def _variants(line: str) -> dict:
+    """``{name: (registers, spills, µs)}`` of one A/B line of the log (``A merge 0 ns 16 [(255, 20)] 293.4 | ...``)."""
+    return {m[1]: (int(m[2]), int(m[3]), float(m[4]))
+            for m in re.finditer(r"(\w+) merge \d+ ns \d+ \[\((\d+), (\d+)\)\] ([\d.]+)", line)}
+
+
+def test_design_fp8_probes_from_the_log():
+    lines = LOG.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("## 2. The drop-in call as shipped (A)"))
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("## 16."))
+    section = lines[start:end]
+    key = "qwen3-next fp8 bs8 65536:"
+    shipped = [_variants(line)["A"][2] for line in section
+               if line.startswith(key) and "A merge" in line and "graph A" not in line]
+    shipped += [float(re.search(r"graph A ([\d.]+)", line)[1]) for line in section
+                if line.startswith(key) and "graph A" in line]
+    says("docs/design.md", f"The shipped kernel takes {span(shipped)} µs there in CUDA-graph replays, the same day")
+    (diag,) = [_variants(line) for line in section if line.startswith(key) and " D2 " in line]
+    assert (diag["A"][1], diag["D2"][1], diag["D1"][1], diag["D3"][1]) == (20, 4, 28, 0)
+    says("docs/design.md", f"- without the slot bounds check: {diag['D2'][2]} µs, and {diag['A'][1]} spilled values "
+                           f"become {diag['D2'][1]} (see [Bounds](#bounds)); - without the draft block: "
+                           f"{diag['D1'][2]} µs, slower, with {diag['D1'][1]} spilled values; - without both: "
+                           f"{diag['D3'][2]} µs and no spills.")
+    reload = [(float(m[2]) / float(m[1]), m[1], m[2]) for line in section
+              if (m := re.search(r"graph A ([\d.]+) B ([\d.]+)", line))]
+    worst = max(reload)
+    says("docs/design.md", f"up to {num((worst[0] - 1) * 100)} % slower (batch 32 / 64k: {worst[2]} against "
+                           f"{worst[1]} µs)")
+    folded = [_variants(line) for line in section if " B1 merge" in line and " B2 merge" in line]
+    widen = [abs(v["B1"][2] / v["A"][2] - 1) * 100 for v in folded]
+    masks = sorted(v["B2"][2] / v["A"][2] - 1 for v in folded)
+    rest = max(abs(x) for x in masks[:-1]) * 100  # every row but the one named
+    says("docs/design.md", f"widening K before transposing it instead of after: within {num(max(widen), 1)} %; - "
+                           "folding the head-dim masks away where `BLOCK_D` equals the head dim: within "
+                           f"{num(rest, 1)} %, one small row {num(masks[-1] * 100)} % slower.")
