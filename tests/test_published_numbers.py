@@ -629,8 +629,12 @@ def test_design_fp8_history_from_earlier_runs():
               "Qwen3-Next, batch 8, 64k": ("qwen3-next", 8, 65536), "Llama-3-8B, batch 1, 4k": ("llama3-8b", 1, 4096)}
     assert [r[0] for r in table] == list(shapes)
     for cells in table:
-        assert cells[1].split()[0] == graph_in(earlier, *shapes[cells[0]], fp8=False), cells
-        assert cells[4] == graph_in(earlier, *shapes[cells[0]], fp8=True), cells
+        m, b, p = shapes[cells[0]]
+        assert cells[1].split()[0] == graph_in(earlier, m, b, p, fp8=False), cells
+        assert cells[4] == graph_in(earlier, m, b, p, fp8=True), cells
+        (r,) = [r for r in earlier["rows"] if (r["model"], r["batch"], r["prefix"]) == (m, b, p)
+                and r["kv_dtype"].startswith("float8")]
+        assert cells[5] == us(r["gather_floor_us"]), cells
     before, after = earlier_record(EARLIER_K_COLUMNS), earlier_record(EARLIER_K_ROWS)
     assert before["date"] == after["date"] == "2026-12-01"
     says("docs/design.md", f"two benchmark runs of {after['date']} before and after: "
