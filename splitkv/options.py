@@ -23,8 +23,8 @@ import os
 import typing
 from typing import Dict, NamedTuple, Optional, Tuple, Union
 
-__all__ = ["VerifyOptions", "METADATA", "TENSORS", "split_options", "metadata_of", "option_names", "check_from_env",
-           "CHECK_ENV", "CHECK_MODES"]
+__all__ = ["VerifyOptions", "METADATA", "TENSORS", "split_options", "metadata_of", "batch_view", "option_names",
+           "check_from_env", "CHECK_ENV", "CHECK_MODES"]
 
 #: The tensors every entry takes first, positionally, in ``extend_attention_fwd``'s order
 #: (``o_extend`` is the drop-in's output; :func:`splitkv.verify_attention` allocates one for ``None``).
@@ -58,7 +58,8 @@ class VerifyOptions(NamedTuple):
         is_causal: causal draft block when there is no ``custom_mask`` (a bool).
         k_scale: key-pool dequantisation multiplier (a Python number: a tensor would need a device read).
         v_scale: value-pool dequantisation multiplier (a Python number).
-        sm_scale: softmax scale (default ``1 / sqrt(head_dim)``).
+        sm_scale: softmax scale (``None`` or ``0``: the default ``1 / sqrt(head_dim)``, as
+            ``extend_attention_fwd`` reads ``sm_scale or 1 / sqrt(head_dim)``).
         logit_cap: ``> 0``: scores become ``cap * tanh(s / cap)``.
         skip_prefix_custom_mask: ``custom_mask`` holds no prefix columns the kernel must read
             (the split path declines ``False`` with a mask).
@@ -105,6 +106,10 @@ class VerifyOptions(NamedTuple):
         n = self.max_len_extend
         if type(n) is not int and (isinstance(n, bool) or not isinstance(n, numbers.Integral)):
             raise TypeError(f"max_len_extend must be an int, got {type(n).__name__}")
+        # extend_attention_fwd reads `sm_scale or 1 / sqrt(D)`: a zero scale means the default. The type is
+        # checked first, because the truth of a tensor would read the device.
+        if isinstance(self.sm_scale, (float, int)) and not self.sm_scale and self.sm_scale is not None:
+            return self._replace(sm_scale=None)
         return self
 
     def scale_problem(self) -> Optional[str]:
@@ -207,6 +212,37 @@ def metadata_of(tensors: Dict[str, object]) -> Dict[str, object]:
     if unknown:
         raise TypeError(f"the metadata tensors are {METADATA}, not {unknown}")
     return {name: tensors.get(name) for name in METADATA}
+
+
+def batch_view(qo_indptr, kv_indptr, meta: Dict[str, object]) -> Tuple[object, Dict[str, object]]:
+    """``kv_indptr`` and the metadata cut to the batch that ``qo_indptr`` describes.
+
+    ``extend_attention_fwd`` takes its batch size from ``qo_indptr`` and reads only the first ``bs + 1``
+    entries of the other indptrs and ``bs`` of the per-sequence tensors, so engines pass buffers allocated
+    for their largest batch (SGLang's CUDA-graph ``window_kv_offsets`` is ``[max_bs]``). The cuts are views:
+    no copy and no device read, and a captured graph keeps reading the engine's buffers. Anything that is
+    not a longer 1-D tensor is returned as it is, for validation to judge.
+
+    Returns:
+        ``(kv_indptr, meta)``: the arguments themselves when nothing was longer than the batch.
+    """
+    n = getattr(qo_indptr, "shape", None)
+    if n is None or len(n) != 1:
+        return kv_indptr, meta
+    n = n[0]
+    # Written out flat: it runs on every eager call.
+    mi, offsets, last = meta["mask_indptr"], meta["window_kv_offsets"], meta["kv_last_page_len"]
+    cut = (_first(mi, n), _first(offsets, n - 1), _first(last, n - 1))
+    kv_indptr = _first(kv_indptr, n)
+    if cut[0] is mi and cut[1] is offsets and cut[2] is last:
+        return kv_indptr, meta
+    return kv_indptr, dict(meta, mask_indptr=cut[0], window_kv_offsets=cut[1], kv_last_page_len=cut[2])
+
+
+def _first(t, n: int):
+    """The first ``n`` entries of a longer 1-D tensor ``t``; anything else as it is."""
+    shape = getattr(t, "shape", None)
+    return t[:n] if shape is not None and len(shape) == 1 and shape[0] > n else t
 
 
 def check_from_env() -> Union[bool, str]:
