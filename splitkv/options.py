@@ -106,10 +106,6 @@ class VerifyOptions(NamedTuple):
         n = self.max_len_extend
         if type(n) is not int and (isinstance(n, bool) or not isinstance(n, numbers.Integral)):
             raise TypeError(f"max_len_extend must be an int, got {type(n).__name__}")
-        # extend_attention_fwd reads `sm_scale or 1 / sqrt(D)`: a zero scale means the default. The type is
-        # checked first, because the truth of a tensor would read the device.
-        if isinstance(self.sm_scale, (float, int)) and not self.sm_scale and self.sm_scale is not None:
-            return self._replace(sm_scale=None)
         return self
 
     def scale_problem(self) -> Optional[str]:
@@ -226,17 +222,20 @@ def batch_view(qo_indptr, kv_indptr, meta: Dict[str, object]) -> Tuple[object, D
     Returns:
         ``(kv_indptr, meta)``: the arguments themselves when nothing was longer than the batch.
     """
-    n = getattr(qo_indptr, "shape", None)
-    if n is None or len(n) != 1:
-        return kv_indptr, meta
-    n = n[0]
-    # Written out flat: it runs on every eager call.
     mi, offsets, last = meta["mask_indptr"], meta["window_kv_offsets"], meta["kv_last_page_len"]
-    cut = (_first(mi, n), _first(offsets, n - 1), _first(last, n - 1))
-    kv_indptr = _first(kv_indptr, n)
-    if cut[0] is mi and cut[1] is offsets and cut[2] is last:
+    # Nothing to cut, the common call, is written out flat (it runs on every eager call) with numel(), the
+    # cheapest size to read: a tensor no longer than n entries has no first dimension longer than n.
+    try:
+        n = qo_indptr.numel()
+        if (kv_indptr.numel() <= n and (mi is None or mi.numel() <= n)
+                and (offsets is None or offsets.numel() < n) and (last is None or last.numel() < n)):
+            return kv_indptr, meta
+    except (AttributeError, TypeError):  # not tensors: for validation to name
         return kv_indptr, meta
-    return kv_indptr, dict(meta, mask_indptr=cut[0], window_kv_offsets=cut[1], kv_last_page_len=cut[2])
+    if qo_indptr.dim() != 1:
+        return kv_indptr, meta
+    cut = (_first(mi, n), _first(offsets, n - 1), _first(last, n - 1))
+    return _first(kv_indptr, n), dict(meta, mask_indptr=cut[0], window_kv_offsets=cut[1], kv_last_page_len=cut[2])
 
 
 def _first(t, n: int):

@@ -22,10 +22,11 @@ import pytest
 import torch
 from conftest import TOLERANCE
 
-from splitkv import can_handle, verify_splitkv_fwd
+from splitkv import can_handle, decline_reason, verify_attention, verify_splitkv_fwd
 from splitkv.bench import sglang_extend
 from splitkv.extend import extend_attention_fwd
 from splitkv.integrations import sglang as integration
+from splitkv.options import batch_view
 from splitkv.testing import reference_attention, relative_error, tree_mask
 
 H_Q, H_KV, HEAD_DIM = 4, 2, 64
@@ -302,10 +303,10 @@ def call_site(mode: str, layer: Layer, *, graph=False, sinks=None, **step):
 
 
 def oracle(args, kwargs):
-    """The float64 oracle on extend_attention_fwd's arguments (sm_scale falsy: the default, as SGLang reads it)."""
+    """The float64 oracle on extend_attention_fwd's positional and keyword arguments."""
     (q, k, v, _, kb, vb, qo, kvp, kvi, mask, causal, mask_indptr, _, k_scale, v_scale, sm_scale) = args
     return reference_attention(q, k, v, kb, vb, qo, kvp, kvi, custom_mask=mask, is_causal=causal,
-                               mask_indptr=mask_indptr, k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale or None,
+                               mask_indptr=mask_indptr, k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale,
                                **kwargs)
 
 
@@ -395,6 +396,30 @@ def test_buffers_longer_than_the_batch_are_read_to_the_batch_only():
                       window_kv_offsets=offsets)
     out, ref = check_served(args, kwargs, torch.float16)
     assert out.shape[0] == bs * NUM_DRAFT
+
+
+def test_verify_attention_and_decline_reason_take_the_graph_layout_too():
+    args, kwargs = call_site("target_verify", Layer(sliding_window_size=WINDOW), graph=True, dtype=torch.float32)
+    options = dict(kwargs, custom_mask=args[9], is_causal=args[10], mask_indptr=args[11], max_len_extend=args[12],
+                   k_scale=args[13], v_scale=args[14], sm_scale=args[15])
+    assert decline_reason(*args[:3], *args[4:9], **options) is None
+    out = verify_attention(*args[:3], None, *args[4:9], **options)
+    assert relative_error(out, oracle(args, kwargs)) < TOLERANCE[torch.float32]
+
+
+def test_batch_view_cuts_views_and_leaves_everything_else():
+    qo, kv = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int32)
+    meta = dict(custom_mask=None, mask_indptr=torch.zeros(4), sinks=None, window_kv_offsets=torch.zeros(3),
+                kv_last_page_len=None)
+    got_kv, got_meta = batch_view(qo, kv, meta)
+    assert got_kv is kv and got_meta is meta  # nothing longer: nothing made
+    long_kv, offsets = torch.arange(9), torch.arange(MAX_BS)
+    got_kv, got_meta = batch_view(qo, long_kv, dict(meta, window_kv_offsets=offsets))
+    assert got_kv.shape == (4,) and got_kv.data_ptr() == long_kv.data_ptr()  # views: a graph reads the buffers
+    assert got_meta["window_kv_offsets"].shape == (3,) and got_meta["window_kv_offsets"].data_ptr() == offsets.data_ptr()
+    assert got_meta["mask_indptr"] is meta["mask_indptr"]
+    for bad_qo, bad_kv in ((torch.zeros(2, 4), long_kv), (qo, list(range(9))), (qo, torch.zeros(9, 2))):
+        assert batch_view(bad_qo, bad_kv, meta)[0] is bad_kv  # for validation to name
 
 
 def test_too_short_metadata_is_an_error():
