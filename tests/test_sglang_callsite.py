@@ -20,7 +20,7 @@ from typing import Optional
 
 import pytest
 import torch
-from conftest import TOLERANCE
+from conftest import DEVICE, DTYPES, TOLERANCE
 
 from splitkv import can_handle, decline_reason, verify_attention, verify_splitkv_fwd
 from splitkv.bench import sglang_extend
@@ -109,18 +109,18 @@ class Backend:
     graph: bool = False
     enable_deterministic: bool = False
     # __init__'s buffers: int32 kv_indptr (and its window twin), int64 qo_indptr and mask_indptr
-    kv_indptr: torch.Tensor = field(default_factory=lambda: torch.zeros(MAX_BS + 1, dtype=torch.int32))
-    window_kv_indptr: torch.Tensor = field(default_factory=lambda: torch.zeros(MAX_BS + 1, dtype=torch.int32))
-    qo_indptr: torch.Tensor = field(default_factory=lambda: torch.zeros(MAX_BS + 1, dtype=torch.int64))
-    mask_indptr: torch.Tensor = field(default_factory=lambda: torch.zeros(MAX_BS + 1, dtype=torch.int64))
+    kv_indptr: torch.Tensor = field(default_factory=lambda: torch.zeros(MAX_BS + 1, dtype=torch.int32, device=DEVICE))
+    window_kv_indptr: torch.Tensor = field(default_factory=lambda: torch.zeros(MAX_BS + 1, dtype=torch.int32, device=DEVICE))
+    qo_indptr: torch.Tensor = field(default_factory=lambda: torch.zeros(MAX_BS + 1, dtype=torch.int64, device=DEVICE))
+    mask_indptr: torch.Tensor = field(default_factory=lambda: torch.zeros(MAX_BS + 1, dtype=torch.int64, device=DEVICE))
     # init_cuda_graph_state's buffers, sized for the largest graph
     cuda_graph_kv_indices: torch.Tensor = field(
-        default_factory=lambda: torch.zeros(MAX_BS * NUM_DRAFT * MAX_CONTEXT, dtype=torch.int64))
+        default_factory=lambda: torch.zeros(MAX_BS * NUM_DRAFT * MAX_CONTEXT, dtype=torch.int64, device=DEVICE))
     cuda_graph_custom_mask: torch.Tensor = field(
-        default_factory=lambda: torch.zeros(MAX_BS * NUM_DRAFT * MAX_CONTEXT, dtype=torch.uint8))
+        default_factory=lambda: torch.zeros(MAX_BS * NUM_DRAFT * MAX_CONTEXT, dtype=torch.uint8, device=DEVICE))
     cuda_graph_window_kv_indices: torch.Tensor = field(
-        default_factory=lambda: torch.zeros(MAX_BS * NUM_DRAFT * WINDOW, dtype=torch.int64))
-    cuda_graph_window_kv_offsets: torch.Tensor = field(default_factory=lambda: torch.zeros(MAX_BS, dtype=torch.int32))
+        default_factory=lambda: torch.zeros(MAX_BS * NUM_DRAFT * WINDOW, dtype=torch.int64, device=DEVICE))
+    cuda_graph_window_kv_offsets: torch.Tensor = field(default_factory=lambda: torch.zeros(MAX_BS, dtype=torch.int32, device=DEVICE))
     forward_metadata: Optional[SimpleNamespace] = None
 
     # ---- init_forward_metadata / init_forward_metadata_capture_cuda_graph ----
@@ -149,7 +149,7 @@ class Backend:
 
     def _target_verify(self, batch):
         bs, seq_lens = len(batch.seq_lens), batch.seq_lens
-        steps = torch.arange(0, (1 + bs) * NUM_DRAFT, NUM_DRAFT, dtype=torch.int32)
+        steps = torch.arange(0, (1 + bs) * NUM_DRAFT, NUM_DRAFT, dtype=torch.int32, device=DEVICE)
         if self.graph:
             qo_indptr = self.qo_indptr[: bs + 1]
             qo_indptr[:] = steps  # int64 under graphs
@@ -187,13 +187,13 @@ class Backend:
         bs, seq_lens = len(batch.seq_lens), batch.seq_lens
         if self.graph:  # a fixed NUM_STEPS + 1 rows per sequence
             qo_indptr = self.qo_indptr[: bs + 1]
-            qo_indptr[:] = torch.arange(0, bs * (NUM_STEPS + 1) + 1, NUM_STEPS + 1, dtype=torch.int32)
+            qo_indptr[:] = torch.arange(0, bs * (NUM_STEPS + 1) + 1, NUM_STEPS + 1, dtype=torch.int32, device=DEVICE)
             kv_indptr = self.kv_indptr[: bs + 1]
             max_extend_len = NUM_STEPS + 1
         else:  # EagleDraftInput.generate_attn_arg_prefill: int32 indptrs of bs + 1
-            qo_indptr = torch.zeros(bs + 1, dtype=torch.int32)
+            qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=DEVICE)
             qo_indptr[1:] = torch.cumsum(batch.accept_length, 0)
-            kv_indptr = torch.zeros(bs + 1, dtype=torch.int32)
+            kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=DEVICE)
             max_extend_len = int(batch.accept_length.max())
         kv_indptr[1:] = torch.cumsum(seq_lens, 0)
         slots = self._prefix(batch.req_to_token, seq_lens)
@@ -259,10 +259,10 @@ def make_step(mode: str, *, graph=False, dtype=torch.float16, kv_dtype=None, see
     """One forward pass: its batch (mode, lengths, the request table, the pool) and the layer's q, k, v."""
     gen = torch.Generator().manual_seed(seed)
     kv_dtype = kv_dtype or dtype
-    seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32 if graph else torch.int64)
+    seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32 if graph else torch.int64, device=DEVICE)
     # The requests' slots, and apart from them the slots this step's tokens are stored in.
     req_to_token = torch.randperm(POOL - 64, generator=gen)[: MAX_BS * MAX_CONTEXT].view(MAX_BS, MAX_CONTEXT)
-    accept = torch.tensor(ACCEPT_LENS, dtype=torch.int32)
+    accept = torch.tensor(ACCEPT_LENS, dtype=torch.int32, device=DEVICE)
     if mode == "target_verify":
         rows = [NUM_DRAFT] * len(SEQ_LENS)
     elif mode.startswith("draft_extend"):
@@ -270,14 +270,14 @@ def make_step(mode: str, *, graph=False, dtype=torch.float16, kv_dtype=None, see
     else:
         rows = [5, 9, 3]
     n = sum(rows)
-    pool = Pool(torch.randn(POOL, H_KV, HEAD_DIM, generator=gen).to(kv_dtype),
-                torch.randn(POOL, H_KV, HEAD_DIM, generator=gen).to(kv_dtype))
-    batch = SimpleNamespace(forward_mode=Mode(mode), seq_lens=seq_lens, req_to_token=req_to_token,
-                            accept_length=accept, extend_lens=torch.tensor(rows), custom_mask=_tree_masks(SEQ_LENS),
-                            token_to_kv_pool=pool, out_cache_loc=torch.arange(POOL - n, POOL))
+    pool = Pool(*(torch.randn(POOL, H_KV, HEAD_DIM, generator=gen).to(DEVICE, kv_dtype) for _ in range(2)))
+    batch = SimpleNamespace(forward_mode=Mode(mode), seq_lens=seq_lens, req_to_token=req_to_token.to(DEVICE),
+                            accept_length=accept, extend_lens=torch.tensor(rows, device=DEVICE),
+                            custom_mask=_tree_masks(SEQ_LENS).to(DEVICE), token_to_kv_pool=pool,
+                            out_cache_loc=torch.arange(POOL - n, POOL, device=DEVICE))
     # RadixAttention.forward hands the backend q flat, k and v as [tokens, heads, head_dim].
-    q = torch.randn(n, H_Q * HEAD_DIM, generator=gen).to(dtype)
-    k, v = (torch.randn(n, H_KV, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(n, H_Q * HEAD_DIM, generator=gen).to(DEVICE, dtype)
+    k, v = (torch.randn(n, H_KV, HEAD_DIM, generator=gen).to(DEVICE, dtype) for _ in range(2))
     return batch, (q, k, v)
 
 
@@ -356,12 +356,12 @@ MODES = {
     "sliding_window": dict(mode="target_verify", layer=Layer(sliding_window_size=WINDOW)),
     "sliding_window_graph": dict(mode="target_verify", layer=Layer(sliding_window_size=WINDOW), graph=True),
     "sinks_window_graph": dict(mode="target_verify", layer=Layer(sliding_window_size=WINDOW), graph=True,
-                               sinks=torch.linspace(-1.0, 2.0, H_Q)),
+                               sinks=torch.linspace(-1.0, 2.0, H_Q, device=DEVICE)),
     "logit_cap_xai": dict(mode="target_verify", layer=Layer(logit_cap=3.0, xai_temperature_len=16)),
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(MODES))
 def test_every_mode_is_served_as_sglang_lays_it_out(case, dtype):
     kw = dict(MODES[case])
@@ -385,7 +385,7 @@ def test_buffers_longer_than_the_batch_are_read_to_the_batch_only():
     """kv_indptr, mask_indptr and window_kv_offsets of max_bs entries whose tail is garbage: the first bs count."""
     args, kwargs = call_site("target_verify", Layer(sliding_window_size=WINDOW))
     bs = len(SEQ_LENS)
-    garbage = dict(dtype=torch.int64)
+    garbage = dict(dtype=torch.int64, device=DEVICE)
     long_kv = torch.cat([args[7].long(), torch.full((MAX_BS - bs,), 10**6, **garbage)])
     long_mask = torch.cat([args[11], torch.full((MAX_BS - bs,), -7, **garbage)])
     offsets = torch.cat([kwargs["window_kv_offsets"], torch.full((MAX_BS - bs,), 10**6, **garbage)])
@@ -448,7 +448,7 @@ def test_a_falsy_sm_scale_is_the_default(falsy):
 SGLANG_FP8_ERROR = {torch.float8_e4m3fn: (0.02, 0.1), torch.float8_e5m2: (0.03, 0.12)}
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_dtype", list(SGLANG_FP8_ERROR))
 @pytest.mark.parametrize("case", ["target_verify", "sliding_window_graph", "draft_extend"])
 def test_fp8_pools_with_float_scales(case, kv_dtype, dtype):
@@ -515,13 +515,14 @@ def test_install_leaves_prefill_to_sglang(layer):
 
 
 @pytest.mark.parametrize("layer", [Layer(), fp8_layer(), Layer(sliding_window_size=WINDOW)])
-def test_a_declined_call_reaches_sglang_with_its_own_arguments(layer):
-    """bfloat16 is declined under the interpreter: SGLang's kernel gets exactly what forward_extend built, the
-    scales of an unquantised layer as 1.0 and a sliding-window layer's window indices and offsets."""
+def test_a_declined_call_reaches_sglang_with_its_own_arguments(layer, monkeypatch):
+    """SGLang's kernel gets exactly what forward_extend built: the scales of an unquantised layer as 1.0, a
+    sliding-window layer's window indices and offsets, the graph's padded buffers."""
+    monkeypatch.setattr(integration, "verify_splitkv_fwd", lambda *args, **kwargs: False)  # every call declined
     backend, spy = installed(graph=True, kernel=None)
-    forward(backend, "target_verify", layer, dtype=torch.bfloat16)
+    forward(backend, "target_verify", layer)
     (args, kwargs), = spy.calls
-    assert_same_call((args, kwargs), call_site("target_verify", layer, graph=True, dtype=torch.bfloat16))
+    assert_same_call((args, kwargs), call_site("target_verify", layer, graph=True))
     assert isinstance(args[13], float) and isinstance(args[14], float)
     assert (kwargs["window_kv_offsets"] is not None) == (layer.sliding_window_size > 0)
     assert kwargs["sliding_window_size"] == (layer.sliding_window_size if layer.sliding_window_size > 0 else -1)
