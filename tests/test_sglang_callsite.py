@@ -491,11 +491,12 @@ def forward(backend, mode, layer, sinks=None, **step):
     return backend.forward_extend(q, k, v, layer, batch, sinks=sinks)
 
 
-@pytest.mark.parametrize("case", ["target_verify", "target_verify_graph", "draft_extend_graph",
-                                  "sliding_window_graph", "fp8"])
+@pytest.mark.parametrize("case", ["target_verify", "target_verify_graph", "draft_extend", "draft_extend_graph",
+                                  "draft_extend_v2", "sliding_window_graph", "fp8"])
 def test_install_serves_the_speculative_steps(case):
-    kw = dict(MODES["target_verify" if case == "fp8" else case])
+    kw = dict(MODES["target_verify" if case == "fp8" else case.replace("_v2", "")])
     mode, layer, graph = kw.pop("mode"), kw.pop("layer"), kw.pop("graph", False)
+    mode = mode + "_v2" if case.endswith("_v2") else mode  # eager: SGLang lays it out as a prefill
     step = dict(kv_dtype=torch.float8_e4m3fn) if case == "fp8" else {}
     layer = fp8_layer() if case == "fp8" else layer
     backend, spy = installed(graph)
