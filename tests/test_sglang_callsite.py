@@ -9,10 +9,16 @@ lengths of every buffer (indptrs of ``max_bs + 1``, a ``[max_bs]`` offsets buffe
 padded ``kv_indices`` and uint8 mask of a graph), the pool stores with their fp8 scales
 and the sliding-window metadata. Every mode is served (``True``) and matches the float64
 oracle and, where the ``sglang`` wheel is installed, SGLang's own kernel read from it.
+Where the wheel is installed, SGLang's own ``triton_backend.py`` also runs (its imports
+stood in for) and must pass exactly what :class:`Backend` passes.
 """
 
+import importlib.util
 import math
+import sys
+import types
 import warnings
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -53,6 +59,9 @@ class Mode:
     def is_draft_extend(self, include_v2=False):
         return self.name == "draft_extend" or (include_v2 and self.name == "draft_extend_v2")
 
+    def is_decode_or_idle(self):
+        return False
+
 
 @dataclass
 class Layer:
@@ -71,6 +80,9 @@ class Layer:
     tp_k_head_num: int = H_KV
     qk_head_dim: int = HEAD_DIM
     v_head_dim: int = HEAD_DIM
+    is_cross_attention: bool = False
+    attn_type: str = "decoder"
+    logit_capping_method: str = "tanh"
 
 
 def fp8_layer(k_scale=0.5, v_scale=2.0, **kw) -> Layer:
@@ -261,7 +273,7 @@ def make_step(mode: str, *, graph=False, dtype=torch.float16, kv_dtype=None, see
     kv_dtype = kv_dtype or dtype
     seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32 if graph else torch.int64, device=DEVICE)
     # The requests' slots, and apart from them the slots this step's tokens are stored in.
-    req_to_token = torch.randperm(POOL - 64, generator=gen)[: MAX_BS * MAX_CONTEXT].view(MAX_BS, MAX_CONTEXT)
+    req_to_token = torch.randperm(POOL - 64, generator=gen)[: MAX_BS * MAX_CONTEXT].view(MAX_BS, MAX_CONTEXT).int()
     accept = torch.tensor(ACCEPT_LENS, dtype=torch.int32, device=DEVICE)
     if mode == "target_verify":
         rows = [NUM_DRAFT] * len(SEQ_LENS)
@@ -550,3 +562,102 @@ def assert_same_call(got, want):
             assert g.dtype == w.dtype and g.shape == w.shape and (i == 3 or torch.equal(g, w)), i
         else:
             assert type(g) is type(w) and g == w, i
+
+
+# ---- the model above against SGLang's own backend -------------------------------------------------------------
+
+#: What triton_backend.py imports from SGLang, reduced to what its metadata code and forward_extend use.
+_STAND_INS = {
+    "sglang.srt.utils": dict(is_cuda=lambda: False, get_bool_env_var=lambda *a: False,
+                             get_device_core_count=lambda *a: 0, get_int_env_var=lambda name, default: default,
+                             next_power_of_2=lambda n: 1 << (n - 1).bit_length()),
+    "sglang.srt.configs.model_config": dict(AttentionArch=SimpleNamespace(MLA="mla")),
+    "sglang.srt.layers.attention.base_attn_backend": dict(AttentionBackend=object),
+    "sglang.srt.layers.dp_attention": dict(get_attention_tp_size=lambda: 1),
+    "sglang.srt.layers.radix_attention": dict(AttentionType=SimpleNamespace(
+        DECODER="decoder", ENCODER_ONLY="encoder_only", DECODER_BIDIRECTIONAL="decoder_bidirectional")),
+    "sglang.srt.model_executor.forward_batch_info": dict(ForwardBatch=object, ForwardMode=Mode),
+    "sglang.srt.speculative.spec_utils": dict(generate_draft_decode_kv_indices=None),
+}
+_BACKEND_FILES = ("layers/attention/utils.py", "layers/attention/triton_backend.py")
+
+
+def _sglang_srt_sources():
+    """The text of SGLang's attention utils and Triton backend, from its wheel or installation (or skip)."""
+    try:
+        source = sglang_extend.find_sources()[1]["source"]
+    except sglang_extend.SglangNotFound:
+        pytest.skip("no sglang wheel: " + sglang_extend.install_hint())
+    if source.endswith(".whl"):
+        with zipfile.ZipFile(source) as z:
+            return [z.read(f"sglang/srt/{f}").decode() for f in _BACKEND_FILES]
+    srt = Path(source).parents[2]  # .../sglang/srt/layers/attention/triton_ops
+    return [(srt / f).read_text() for f in _BACKEND_FILES]
+
+
+@pytest.fixture(scope="module")
+def sglang_backend_class(tmp_path_factory):
+    """SGLang's TritonAttnBackend class, run from its own source with stand-ins for the modules it imports."""
+    folder = tmp_path_factory.mktemp("sglang_backend")
+    names = list(_STAND_INS) + ["sglang.srt." + rel[:-3].replace("/", ".") for rel in _BACKEND_FILES]
+    saved = {name: sys.modules.get(name) for name in names}
+    try:
+        for name, attrs in _STAND_INS.items():
+            sys.modules[name] = types.SimpleNamespace(**attrs)
+        for rel, text in zip(_BACKEND_FILES, _sglang_srt_sources()):
+            path = folder / Path(rel).name  # Triton reads a kernel's source from its file
+            path.write_text(text)
+            name = "sglang.srt." + rel[:-3].replace("/", ".")
+            spec = importlib.util.spec_from_file_location(name, path)
+            sys.modules[name] = module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        yield module.TritonAttnBackend
+    finally:  # sys.modules as it was: SGLang's names are not left behind
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+def sglang_call(cls, mode, layer, *, graph=False, **step):
+    """The arguments SGLang's own metadata code and forward_extend pass, on the step :func:`call_site` models."""
+    batch, (q, k, v) = make_step(mode, graph=graph, **step)
+    model = Backend(None, graph=graph)
+    real = cls.__new__(cls)
+    bs = len(SEQ_LENS)
+    # __init__'s attributes (the buffers as the model allocates them), then init_cuda_graph_state's buffers
+    real.__dict__.update(
+        kv_indptr=model.kv_indptr, window_kv_indptr=model.window_kv_indptr, qo_indptr=model.qo_indptr,
+        mask_indptr=model.mask_indptr, req_to_token=batch.req_to_token, sliding_window_size=WINDOW,
+        num_draft_tokens=NUM_DRAFT, speculative_num_steps=NUM_STEPS, device=DEVICE, skip_prefill=False,
+        token_to_kv_pool_allocator=None, use_mla=False, enable_deterministic=False, num_head=H_Q,
+        max_kv_splits=8, v_head_dim=HEAD_DIM, max_context_len=MAX_CONTEXT,
+        allow_bidirectional_attention_in_extend=False, extend_attention_fwd=Recorder())
+    real.init_cuda_graph_state(MAX_BS, MAX_BS * NUM_DRAFT)
+    pools = torch.arange(bs, device=DEVICE)
+    spec_info = SimpleNamespace(custom_mask=batch.custom_mask)
+    if graph:
+        real.init_forward_metadata_capture_cuda_graph(bs, int(batch.extend_lens.sum()), pools, batch.seq_lens,
+                                                      None, batch.forward_mode, spec_info)
+    else:
+        real.init_forward_metadata(SimpleNamespace(
+            batch_size=bs, forward_mode=batch.forward_mode, spec_info=spec_info, req_pool_indices=pools,
+            seq_lens=batch.seq_lens, extend_prefix_lens=batch.seq_lens, extend_prefix_lens_cpu=SEQ_LENS,
+            extend_seq_lens=batch.extend_lens, extend_seq_lens_cpu=batch.extend_lens.tolist()))
+    real.forward_extend(q, k, v, layer, batch)
+    (args, kwargs), = real.extend_attention_fwd.calls
+    return args, kwargs
+
+
+@pytest.mark.parametrize("mode,window,graph", [
+    ("target_verify", -1, False), ("target_verify", WINDOW, False), ("target_verify", -1, True),
+    ("target_verify", WINDOW, True), ("draft_extend", -1, True), ("extend", -1, False), ("extend", WINDOW, False),
+])
+def test_the_model_is_sglang_s_own_layout(sglang_backend_class, mode, window, graph):
+    """SGLang 0.5.10's own init_forward_metadata(_capture_cuda_graph) and forward_extend pass what the model
+    above passes (draft-extend eager builds its metadata in the EAGLE input, which the model follows)."""
+    layer = fp8_layer(sliding_window_size=window)
+    want = call_site(mode, layer, graph=graph, kv_dtype=torch.float8_e4m3fn)
+    assert_same_call(sglang_call(sglang_backend_class, mode, layer, graph=graph, kv_dtype=torch.float8_e4m3fn),
+                     want)
