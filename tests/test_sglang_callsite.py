@@ -620,9 +620,8 @@ def sglang_backend_class(tmp_path_factory):
                 sys.modules[name] = module
 
 
-def sglang_call(cls, mode, layer, *, graph=False, **step):
-    """The arguments SGLang's own metadata code and forward_extend pass, on the step :func:`call_site` models."""
-    batch, (q, k, v) = make_step(mode, graph=graph, **step)
+def sglang_backend(cls, batch, kernel, graph=False):
+    """SGLang's own TritonAttnBackend with ``kernel`` as its extend kernel, its metadata built for ``batch``."""
     model = Backend(None, graph=graph)
     real = cls.__new__(cls)
     bs = len(SEQ_LENS)
@@ -633,7 +632,7 @@ def sglang_call(cls, mode, layer, *, graph=False, **step):
         num_draft_tokens=NUM_DRAFT, speculative_num_steps=NUM_STEPS, device=DEVICE, skip_prefill=False,
         token_to_kv_pool_allocator=None, use_mla=False, enable_deterministic=False, num_head=H_Q,
         max_kv_splits=8, v_head_dim=HEAD_DIM, max_context_len=MAX_CONTEXT,
-        allow_bidirectional_attention_in_extend=False, extend_attention_fwd=Recorder())
+        allow_bidirectional_attention_in_extend=False, extend_attention_fwd=kernel)
     real.init_cuda_graph_state(MAX_BS, MAX_BS * NUM_DRAFT)
     pools = torch.arange(bs, device=DEVICE)
     spec_info = SimpleNamespace(custom_mask=batch.custom_mask)
@@ -645,6 +644,13 @@ def sglang_call(cls, mode, layer, *, graph=False, **step):
             batch_size=bs, forward_mode=batch.forward_mode, spec_info=spec_info, req_pool_indices=pools,
             seq_lens=batch.seq_lens, extend_prefix_lens=batch.seq_lens, extend_prefix_lens_cpu=SEQ_LENS,
             extend_seq_lens=batch.extend_lens, extend_seq_lens_cpu=batch.extend_lens.tolist()))
+    return real
+
+
+def sglang_call(cls, mode, layer, *, graph=False, **step):
+    """The arguments SGLang's own metadata code and forward_extend pass, on the step :func:`call_site` models."""
+    batch, (q, k, v) = make_step(mode, graph=graph, **step)
+    real = sglang_backend(cls, batch, Recorder(), graph)
     real.forward_extend(q, k, v, layer, batch)
     (args, kwargs), = real.extend_attention_fwd.calls
     return args, kwargs
@@ -661,3 +667,17 @@ def test_the_model_is_sglang_s_own_layout(sglang_backend_class, mode, window, gr
     want = call_site(mode, layer, graph=graph, kv_dtype=torch.float8_e4m3fn)
     assert_same_call(sglang_call(sglang_backend_class, mode, layer, graph=graph, kv_dtype=torch.float8_e4m3fn),
                      want)
+
+
+@pytest.mark.parametrize("mode,window,graph", [("target_verify", -1, False), ("target_verify", WINDOW, True),
+                                               ("draft_extend", -1, True)])
+def test_install_on_sglang_s_own_backend(sglang_backend_class, mode, window, graph):
+    layer, step = fp8_layer(sliding_window_size=window), dict(kv_dtype=torch.float8_e4m3fn)
+    batch, (q, k, v) = make_step(mode, graph=graph, **step)
+    spy = Spy()
+    real = sglang_backend(sglang_backend_class, batch, spy, graph)
+    integration.install(real, max_bs=MAX_BS)
+    o = real.forward_extend(q, k, v, layer, batch)
+    assert spy.calls == []  # served
+    args, kwargs = call_site(mode, layer, graph=graph, **step)
+    assert relative_error(o.view(args[3].shape), oracle(args, kwargs)) < TOLERANCE[torch.float16]
