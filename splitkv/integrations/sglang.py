@@ -43,6 +43,11 @@ class SplitKVFirst:
     (set by the ``forward_extend`` that :func:`install` wraps, for one
     speculative step's call), :func:`splitkv.verify_splitkv_fwd` gets them
     first; otherwise, or when it declines, SGLang's kernel gets them as they are.
+
+    Attributes:
+        sglang_kernel: the kernel the backend had (SGLang's ``extend_attention_fwd``).
+        max_bs: passed to :func:`splitkv.verify_splitkv_fwd`.
+        active: whether the call in progress is a speculative step's.
     """
 
     def __init__(self, sglang_kernel: Callable, max_bs: Optional[int] = None):
