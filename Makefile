@@ -12,19 +12,25 @@ VENV   ?= .venv
 # would fetch a multi-GB CUDA build). On a GPU machine whose Python already
 # has PyTorch, keep it:  make demo TORCH= VENV_FLAGS=--system-site-packages
 TORCH  ?= torch==2.13.0
+# SGLang, pinned, without its dependencies (it is pure Python and nothing imports it): the tests read its
+# Triton extend kernel out of it and compare splitkv with it at SGLang's own call site. The release
+# splitkv.integrations.sglang was written against.
+SGLANG ?= sglang==0.5.10.post1
 VENV_FLAGS ?=
 BIN    := $(VENV)/bin
 # Without a GPU the kernels run through Triton's interpreter, which needs the
 # `interpreter` extra (an older NumPy); a GPU machine keeps its NumPy.
 CORE_EXTRA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo . || echo .[interpreter])
 # Stamps: the package (+ torch), the package with the benchmark's tools (the
-# dev extra: pytest, hypothesis, matplotlib, tqdm), and the package with every extra.
+# dev extra: pytest, hypothesis, matplotlib, tqdm), the package with every extra, and
+# SGLang by its pin (a new pin installs again).
 CORE_STAMP  := $(VENV)/.installed-core
 BENCH_STAMP := $(VENV)/.installed-bench
 ALL_STAMP   := $(VENV)/.installed-all
 # Triton 3.6 (the H200's), installed aside for the Gluon kernel's CPU compile check
 # (tests/test_gluon_compile.py); the package never imports it.
 TRITON36    := $(VENV)/triton36
+SGLANG_STAMP := $(VENV)/.installed-$(subst ==,-,$(SGLANG))
 
 .PHONY: demo test docs notebooks bench validate check-gpu setup setup-all reinstall
 
@@ -44,6 +50,11 @@ $(ALL_STAMP): pyproject.toml | $(BIN)/activate
 	@$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	@touch $@ $(CORE_STAMP) $(BENCH_STAMP)
 
+$(SGLANG_STAMP): | $(BIN)/activate
+	@echo ">> Installing $(SGLANG) into $(VENV), without its dependencies"
+	$(BIN)/python -m pip install -q --no-deps $(SGLANG)
+	@touch $@
+
 $(BENCH_STAMP): pyproject.toml | $(BIN)/activate
 	@echo ">> Installing splitkv with the benchmark's tools into $(VENV) (quiet; about a minute the first time)"
 	$(BIN)/python -m pip install -q $(TORCH) -e ".[dev]"
@@ -52,8 +63,8 @@ $(BENCH_STAMP): pyproject.toml | $(BIN)/activate
 ## Install the package (and PyTorch) into .venv; a no-op when up to date.
 setup: $(CORE_STAMP)
 
-## Install the package with every extra (tests, notebooks, docs) into .venv.
-setup-all: $(ALL_STAMP)
+## Install the package with every extra (tests, notebooks, docs) and SGLang (for the tests) into .venv.
+setup-all: $(ALL_STAMP) $(SGLANG_STAMP)
 
 ## Run pip again now, whatever the stamps say (e.g. after changing TORCH).
 reinstall:
@@ -67,7 +78,7 @@ demo: $(CORE_STAMP)
 	$(BIN)/python -m splitkv demo
 
 ## Every test: unit/property tests, notebooks under nbval (their exercises solved: SPLITKV_SOLUTIONS=1), the docs build and the browser check.
-test: $(ALL_STAMP) triton36
+test: $(ALL_STAMP) $(SGLANG_STAMP) triton36
 	$(BIN)/python -m pytest -q tests --ignore=tests/browser
 	SPLITKV_SOLUTIONS=1 $(BIN)/python -m pytest -q --nbval notebooks --nbval-sanitize-with notebooks/nbval_sanitize.cfg
 	$(BIN)/mkdocs build --strict

@@ -48,7 +48,7 @@ import triton
 from .extend import extend_attention_fwd
 from .gate import Decline, decline
 from .launch import capturing
-from .options import VerifyOptions, check_from_env, split_options
+from .options import VerifyOptions, batch_view, check_from_env, split_options
 from .paged import flat_pool, token_indices
 from .plan import VerifyPlan, VerifySplitKV
 from .schedule import LaunchLimitError, mean_prefix
@@ -286,6 +286,7 @@ def verify_splitkv_fwd(
         max_prefix_len=max_prefix_len, check=check_from_env() if check is None else check).checked()
     meta = dict(custom_mask=custom_mask, mask_indptr=mask_indptr, sinks=sinks, window_kv_offsets=window_kv_offsets,
                 kv_last_page_len=kv_last_page_len)
+    kv_indptr, meta = batch_view(qo_indptr, kv_indptr, meta)
     tensors = (q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)
     declined, _ = _serve(tensors, meta, opts)
     if declined is None:
@@ -332,6 +333,7 @@ def verify_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
         return _compiled_call(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr,
                               kv_indices, options)
     opts, meta = split_options(options)
+    kv_indptr, meta = batch_view(qo_indptr, kv_indptr, meta)
     if o_extend is None:
         o_extend = torch.empty((q_extend.shape[0], q_extend.shape[1], v_extend.shape[2]),
                                dtype=q_extend.dtype, device=q_extend.device)

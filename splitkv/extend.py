@@ -168,7 +168,7 @@ def extend_attention_fwd(
         k_scale: prefix-key dequantisation multiplier: a Python number or a
             CPU tensor.
         v_scale: prefix-value dequantisation multiplier, likewise.
-        sm_scale: softmax scale, ``1 / sqrt(D)`` if ``None``.
+        sm_scale: softmax scale, ``1 / sqrt(D)`` if ``None`` or 0 (as SGLang's kernel reads it).
         logit_cap: if ``> 0``, scores ``s`` become ``cap * tanh(s / cap)``.
         skip_prefix_custom_mask: if true, ``custom_mask`` masks only the
             draft keys and every prefix key is visible.
@@ -207,7 +207,7 @@ def extend_attention_fwd(
     use_offsets = custom_mask is not None and window_kv_offsets is not None
     if max_len_extend == 0 or dims.num_tokens == 0:
         return
-    if sm_scale is None:
+    if not sm_scale:  # None or 0: the default, as SGLang's kernel reads it
         sm_scale = 1.0 / math.sqrt(dims.head_dim)
     window = -1 if sliding_window_size is None else int(sliding_window_size)
 

@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import tuning
-from .options import VerifyOptions, split_options
+from .options import VerifyOptions, batch_view, split_options
 from .resources import rope_dim, shares_rows
 from .schedule import (MAX_SPLITS, VerifyParams, block_m_for, device_facts, fixed_n_splits, head_tiles,
                        launch_limit_reason, plan_tile, rows_per_tile)
@@ -122,6 +122,7 @@ def decline_reason(q_extend, k_extend, v_extend, k_buffer, v_buffer, qo_indptr, 
             ``max_len_extend`` of the wrong type.
     """
     opts, meta = split_options(options)
+    kv_indptr, meta = batch_view(qo_indptr, kv_indptr, meta)
     tensors = (q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)
     found = decline(tensors, meta, opts)
     return None if found is None else found.reason

@@ -23,8 +23,8 @@ import os
 import typing
 from typing import Dict, NamedTuple, Optional, Tuple, Union
 
-__all__ = ["VerifyOptions", "METADATA", "TENSORS", "split_options", "metadata_of", "option_names", "check_from_env",
-           "CHECK_ENV", "CHECK_MODES"]
+__all__ = ["VerifyOptions", "METADATA", "TENSORS", "split_options", "metadata_of", "batch_view", "option_names",
+           "check_from_env", "CHECK_ENV", "CHECK_MODES"]
 
 #: The tensors every entry takes first, positionally, in ``extend_attention_fwd``'s order
 #: (``o_extend`` is the drop-in's output; :func:`splitkv.verify_attention` allocates one for ``None``).
@@ -58,7 +58,8 @@ class VerifyOptions(NamedTuple):
         is_causal: causal draft block when there is no ``custom_mask`` (a bool).
         k_scale: key-pool dequantisation multiplier (a Python number: a tensor would need a device read).
         v_scale: value-pool dequantisation multiplier (a Python number).
-        sm_scale: softmax scale (default ``1 / sqrt(head_dim)``).
+        sm_scale: softmax scale (``None`` or ``0``: the default ``1 / sqrt(head_dim)``, as
+            ``extend_attention_fwd`` reads ``sm_scale or 1 / sqrt(head_dim)``).
         logit_cap: ``> 0``: scores become ``cap * tanh(s / cap)``.
         skip_prefix_custom_mask: ``custom_mask`` holds no prefix columns the kernel must read
             (the split path declines ``False`` with a mask).
@@ -207,6 +208,40 @@ def metadata_of(tensors: Dict[str, object]) -> Dict[str, object]:
     if unknown:
         raise TypeError(f"the metadata tensors are {METADATA}, not {unknown}")
     return {name: tensors.get(name) for name in METADATA}
+
+
+def batch_view(qo_indptr, kv_indptr, meta: Dict[str, object]) -> Tuple[object, Dict[str, object]]:
+    """``kv_indptr`` and the metadata cut to the batch that ``qo_indptr`` describes.
+
+    ``extend_attention_fwd`` takes its batch size from ``qo_indptr`` and reads only the first ``bs + 1``
+    entries of the other indptrs and ``bs`` of the per-sequence tensors, so engines pass buffers allocated
+    for their largest batch (SGLang's CUDA-graph ``window_kv_offsets`` is ``[max_bs]``). The cuts are views:
+    no copy and no device read, and a captured graph keeps reading the engine's buffers. Anything that is
+    not a longer 1-D tensor is returned as it is, for validation to judge.
+
+    Returns:
+        ``(kv_indptr, meta)``: the arguments themselves when nothing was longer than the batch.
+    """
+    mi, offsets, last = meta["mask_indptr"], meta["window_kv_offsets"], meta["kv_last_page_len"]
+    # Nothing to cut, the common call, is written out flat (it runs on every eager call) with numel(), the
+    # cheapest size to read: a tensor no longer than n entries has no first dimension longer than n.
+    try:
+        n = qo_indptr.numel()
+        if (kv_indptr.numel() <= n and (mi is None or mi.numel() <= n)
+                and (offsets is None or offsets.numel() < n) and (last is None or last.numel() < n)):
+            return kv_indptr, meta
+    except (AttributeError, TypeError):  # not tensors: for validation to name
+        return kv_indptr, meta
+    if qo_indptr.dim() != 1:
+        return kv_indptr, meta
+    cut = (_first(mi, n), _first(offsets, n - 1), _first(last, n - 1))
+    return _first(kv_indptr, n), dict(meta, mask_indptr=cut[0], window_kv_offsets=cut[1], kv_last_page_len=cut[2])
+
+
+def _first(t, n: int):
+    """The first ``n`` entries of a longer 1-D tensor ``t``; anything else as it is."""
+    shape = getattr(t, "shape", None)
+    return t[:n] if shape is not None and len(shape) == 1 and shape[0] > n else t
 
 
 def check_from_env() -> Union[bool, str]:

@@ -356,7 +356,7 @@ class VerifyPlan:
                                self.window)
         self.tile = plan_tile(self.params, r.facts, r.table, self.params.prefix(kv_indices.shape[0]))
         self.config = self.tile.config
-        sm_scale = 1.0 / math.sqrt(r.head_dim) if opts.sm_scale is None else opts.sm_scale
+        sm_scale = opts.sm_scale or 1.0 / math.sqrt(r.head_dim)  # as extend_attention_fwd: 0 is the default too
         scales = (float(sm_scale) * float(opts.k_scale) * LOG2E, float(sm_scale) * LOG2E,
                   float(opts.v_scale), float(opts.logit_cap) * LOG2E)
         self._fixed_scalars = (scales, (self.num_tokens, self._pool_tokens),

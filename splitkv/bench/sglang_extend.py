@@ -38,6 +38,9 @@ import zipfile
 import zlib
 from typing import Callable, Dict, List, Optional, Tuple
 
+# The SGLang release the benchmark reads its kernel from: the one the integration module was written against.
+from ..integrations.sglang import SGLANG_VERSION
+
 __all__ = [
     "SGLANG_VERSION",
     "SglangNotFound",
@@ -46,8 +49,6 @@ __all__ = [
     "load_extend",
 ]
 
-#: The SGLang release the benchmark was written against (its kernel is read from this wheel).
-SGLANG_VERSION = "0.5.10.post1"
 #: Where the two kernel files live inside the package.
 _PACKAGE_DIR = "sglang/srt/layers/attention/triton_ops"
 _FILES = ("prefill_attention.py", "extend_attention.py")

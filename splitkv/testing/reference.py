@@ -78,7 +78,7 @@ def reference_attention(
     n_tok, h_q, d = q_extend.shape
     h_kv = k_extend.shape[1]
     group = h_q // h_kv
-    if sm_scale is None:
+    if not sm_scale:  # None or 0, as extend_attention_fwd reads it
         sm_scale = 1.0 / math.sqrt(d)
     qo = qo_indptr.tolist()
     kv = kv_indptr.tolist()

@@ -1,0 +1,1 @@
+"""splitkv wired into serving engines: :mod:`splitkv.integrations.sglang`."""
