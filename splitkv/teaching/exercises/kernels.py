@@ -127,7 +127,7 @@ def unpack_tiles(p, o_t: torch.Tensor, lse_t: torch.Tensor) -> Tuple[torch.Tenso
 def _require_kernel(fn, what: str) -> None:
     """Raise :class:`Unsolved` for a stub, and a clear error for something that is not a ``@triton.jit`` function."""
     if is_stub(fn):
-        raise Unsolved(f"write {what} here: replace the todo(...) line by your code")
+        raise Unsolved(f"write {what} in your_kernels.py: replace its todo(...) line by your code")
     if not hasattr(fn, "fn"):
         raise AssertionError(f"{what} should be a @triton.jit function, got {type(fn).__name__}")
 
