@@ -1,0 +1,91 @@
+"""The course as a teacher hands it out: the stored notebooks show no solution, and every solution passes.
+
+* The committed notebooks are in the learner's state: no solution text, no
+  exercise that says "passed", every exercise cell waiting (nbval then checks
+  the stored outputs, in ``make test``).
+* The solutions live in ``notebooks/solutions/`` and the site does not publish
+  them.
+* Every notebook, run top to bottom with ``SPLITKV_SOLUTIONS=1``, prints
+  "passed" for every exercise (the CPU pass: on a GPU the notebooks switch to
+  real shapes, and the GPU machine has no Jupyter kernel).
+"""
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+#: What a solution looks like in a notebook: the stop hook's pattern, and an import of one.
+SOLUTION_TEXT = re.compile(r"worked solution|def solution_|import[^\n]*solution_|\(the stored solution\)")
+#: An exercise cell: ``name = exercise(...)``.
+EXERCISE = re.compile(r"^\s*\w+ = exercise\(", re.M)
+
+
+def _cells(path):
+    return json.loads(path.read_text())["cells"]
+
+
+def _text(cell) -> str:
+    return "".join(cell["source"]) + "".join("".join(o.get("text", "")) for o in cell.get("outputs", []))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_stored_notebook_shows_no_solution(path):
+    cells = _cells(path)
+    for i, cell in enumerate(cells):
+        hit = SOLUTION_TEXT.search(_text(cell))
+        assert not hit, f"{path.name}, cell {i}: {hit.group(0)!r}"
+        assert not re.search(r"^\s*show_solution\(", "".join(cell["source"]), re.M), \
+            f"{path.name}, cell {i} calls show_solution: a learner asks for a solution in a cell of their own"
+        if cell["cell_type"] == "code" and EXERCISE.search("".join(cell["source"])):
+            out = "".join("".join(o.get("text", "")) for o in cell.get("outputs", []))
+            waits = len(re.findall(r"^waiting: ", out, re.M))
+            assert waits == len(EXERCISE.findall("".join(cell["source"]))) and "passed" not in out, \
+                f"{path.name}, cell {i}: stored outputs must be the learner's (waiting), got {out[:200]!r}"
+
+
+def test_the_solutions_are_outside_the_package_and_off_the_site():
+    import splitkv
+
+    package = Path(splitkv.__file__).parent
+    assert not [p for p in package.rglob("*.py") if re.search(r"^def solution_(?!of\b)", p.read_text(), re.M)]
+    assert sorted(p.stem for p in (ROOT / "notebooks" / "solutions").glob("*.py"))
+    mkdocs = (ROOT / "mkdocs.yml").read_text()
+    assert re.search(r"^\s*/notebooks/solutions/\s*$", mkdocs, re.M), "mkdocs.yml must exclude notebooks/solutions/"
+
+
+def test_every_kernel_stub_is_in_the_learners_file():
+    from splitkv.teaching.exercises import is_stub, your_kernels
+
+    mine = your_kernels(ROOT / "notebooks" / "your_kernels.py")
+    for name in ("tile_step", "load_q_tile", "slice_kernel", "merge_kernel", "draft_kernel"):
+        assert is_stub(getattr(mine, name)), f"your_kernels.py is committed with {name} written: keep the stub"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU pass: on a GPU the notebooks run real shapes")
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_exercise_passes_with_the_solutions(path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    monkeypatch.setenv("SPLITKV_SOLUTIONS", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
+                                     resources={"metadata": {"path": str(path.parent)}})
+    client.execute()
+    exercises = 0
+    for i, cell in enumerate(nb.cells):
+        calls = len(EXERCISE.findall(cell.source)) if cell.cell_type == "code" else 0
+        if not calls:
+            continue
+        out = "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
+        passed = len(re.findall(r"^passed: .*\(the stored solution\)$", out, re.M))
+        assert passed == calls, f"{path.name}, cell {i}: {calls} exercise(s), {passed} passed: {out[:300]!r}"
+        exercises += calls
+    assert exercises, f"{path.name} has no exercise"
