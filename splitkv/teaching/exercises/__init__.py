@@ -155,7 +155,8 @@ def exercise(learner: Callable, checker: Callable, *args, **kwargs) -> Callable:
 
     * switch on: the stored solution is checked and returned;
     * the learner's stub still raises :class:`Unsolved`: prints that the
-      exercise waits and returns the stored solution, unprinted (later cells run);
+      exercise waits and returns the stored solution, unprinted (later cells run),
+      or the stub itself where the solutions folder is absent (withheld);
     * otherwise the learner's function is checked (a wrong answer raises the
       checker's ``AssertionError`` with its hint) and returned.
 
@@ -169,8 +170,14 @@ def exercise(learner: Callable, checker: Callable, *args, **kwargs) -> Callable:
     try:
         message = checker(learner, *args, **kwargs)
     except Unsolved as err:
+        try:
+            stored = solution_of(checker)
+        except FileNotFoundError:  # the solutions were withheld from this copy of the course
+            print(f"waiting: {name} is not written yet ({err}). There is no stored version here: "
+                  f"write it to run the cells that use it.")
+            return learner
         print(f"waiting: {name} is not written yet ({err}). Later cells use a stored version, unseen.")
-        return solution_of(checker)
+        return stored
     print(message)
     return learner
 
