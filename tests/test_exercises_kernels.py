@@ -72,7 +72,7 @@ MERGE_SLIPS = {
     "multiply, not select": ([("tl.where(w[:, None] > 0, w[:, None] * o, 0.0)", "w[:, None] * o")],
                              "empty parts \\(o = NaN\\).*select"),
     "no guard for m = -inf": ([("shift = tl.where(m_new == float(\"-inf\"), 0.0, m_new)", "shift = m_new")],
-                              "empty first parts.*shift by 0 there"),
+                              "empty first parts.*shift by 0 where the running maximum is still -inf"),
     "LSE left in base 2": ([("lse2 * 0.6931471805599453", "lse2")], "lse is in base 2"),
 }
 

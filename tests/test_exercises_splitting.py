@@ -60,10 +60,10 @@ def test_tile_step_solution_passes():
 
 
 @pytest.mark.parametrize("wrong, says", [
-    (step_acc_not_rescaled, "multiply the old acc by alpha"),
+    (step_acc_not_rescaled, "rescale the old acc by alpha"),
     (step_sum_not_rescaled, "the row sums l_i are wrong"),
     (step_natural_exp, "so exp2, not exp"),
-    (step_unguarded, "shift by 0 there"),
+    (step_unguarded, "shift by 0 where the new maximum is -inf"),
 ])
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # the unguarded step's NaN, in NumPy
 def test_tile_step_checker_rejects(wrong, says):

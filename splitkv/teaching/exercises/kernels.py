@@ -181,8 +181,8 @@ def _state2(q, k, v, visible=None):
 
 _M_SHIFT = ("subtract the running maximum: w = tl.exp2(lse - shift) with shift = max of the LSEs so far, and rescale "
             "den and acc by alpha = tl.exp2(m - shift) when it grows (2^lse overflows float32 for lse > 128)")
-_M_GUARD = ("a row whose parts so far are all empty has m = -inf, and 2^(-inf - (-inf)) is NaN: shift by 0 there, "
-            "shift = tl.where(m_new == float('-inf'), 0.0, m_new)")
+_M_GUARD = ("a row whose parts so far are all empty has m = -inf, and 2^(-inf - (-inf)) is NaN: shift by 0 "
+            "where the running maximum is still -inf")
 _M_SELECT = ("an empty part's o is garbage (NaN here) and 0 * NaN = NaN: select, "
              "tl.where(w[:, None] > 0, w[:, None] * o, 0.0), rather than multiply")
 _M_BASE = ("the partial LSEs are base 2, the merged LSE is natural log: store (m + tl.log2(den)) * ln 2 "
@@ -346,9 +346,9 @@ _S_GUARD = ("an empty slice (or padding row) has l_i = 0: store o = 0 and lse = 
 _S_GATHER = ("key n of sequence b sits in pool row kv_indices[kv_indptr[b] + n]: load the slot numbers first, then "
              "K and V at those rows; the prefix is not contiguous in the pool")
 _S_BASE = "store the partial LSE in base 2, m_i + tl.log2(l_i): the scores are base 2 and the merge expects base 2"
-_S_TILES = ("split_len is the even share cdiv(n_prefix, n_splits) rounded up to whole BLOCK_N tiles: "
-            "tl.cdiv(tl.cdiv(n_prefix, n_splits), BLOCK_N) * BLOCK_N")
-_S_CLAMP = "clamp the slice to the prefix, hi = tl.minimum(lo + split_len, n_prefix): past it lie other sequences' keys"
+_S_TILES = ("split_len is the even share cdiv(n_prefix, n_splits) rounded up to whole BLOCK_N tiles, so that "
+            "every slice but the last is whole tiles")
+_S_CLAMP = "clamp the slice's end to the prefix length: past it lie other sequences' keys"
 _S_INDEX = ("store part `split` of tile (b, kv_head) at rows ((b * H_kv + kv_head) * n_parts + split) * BLOCK_M + r "
             "(H_kv = tl.num_programs(1)); n_parts, the scratch's parts per tile, may exceed the slices")
 _S_GENERIC = ("scores: tl.dot(q, tl.trans(k)) * qk_scale; fold every key tile of [lo, hi) with tile_step, "

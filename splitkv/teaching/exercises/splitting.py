@@ -54,11 +54,11 @@ def _step_probe(S, V, M_Out, L_Out, Acc_Out, n_tiles, STEP: tl.constexpr,
 
 
 _ROWS, _KEYS, _DV = 16, 16, 16
-_RESCALE_L = ("l_i: multiply the old sum by alpha = tl.exp2(m_i - shift), then add the row sums of "
-              "p = tl.exp2(s - shift[:, None]); the scores are in base 2, so exp2, not exp")
-_RESCALE_ACC = "acc: multiply the old acc by alpha[:, None], then add tl.dot(p.to(v.dtype), v)"
+_RESCALE_L = ("l_i: rescale the old sum by alpha = 2^(m_old - m_new), then add the row sums of the new weights "
+              "2^(s - m_new); the scores are in base 2, so exp2, not exp")
+_RESCALE_ACC = "acc: rescale the old acc by alpha, row by row, then add the new weights times v (a tl.dot)"
 _EMPTY = ("a row that has seen no visible key keeps m = -inf, and 2^(-inf - (-inf)) is NaN: "
-          "shift by 0 there (shift = tl.where(m_new == float('-inf'), 0.0, m_new))")
+          "shift by 0 where the new maximum is -inf")
 _SHIFT = "exponentiate s - m_new (2^s alone overflows float32 for s > 128)"
 
 
