@@ -108,3 +108,14 @@ def test_without_the_solutions_folder_a_waiting_exercise_hands_on_the_stub(monke
 
     assert exercise(kv_bytes, check_kv_bytes) is kv_bytes
     assert "no stored version here" in capsys.readouterr().out
+
+
+def test_a_solution_prints_only_when_asked_for_by_name(capsys):
+    from splitkv.teaching.exercises import show_solution
+    from splitkv.teaching.exercises.kernels import check_slice_kernel
+    from splitkv.teaching.exercises.splitting import check_slicing
+
+    show_solution(check_slicing)
+    assert capsys.readouterr().out.startswith("def slicing(")
+    show_solution(check_slice_kernel)  # a @triton.jit kernel: its source, from notebooks/solutions/kernels.py
+    assert "def slice_kernel(" in capsys.readouterr().out
