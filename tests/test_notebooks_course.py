@@ -119,3 +119,28 @@ def test_a_solution_prints_only_when_asked_for_by_name(capsys):
     assert capsys.readouterr().out.startswith("def slicing(")
     show_solution(check_slice_kernel)  # a @triton.jit kernel: its source, from notebooks/solutions/kernels.py
     assert "def slice_kernel(" in capsys.readouterr().out
+
+
+def test_a_learner_writes_a_kernel_in_their_file_and_the_exercise_checks_theirs(tmp_path, monkeypatch, capsys):
+    # The learner's path through notebook 03: fill a stub of your_kernels.py, save, rerun the cell.
+    from splitkv.teaching.exercises import exercise, your_kernels
+    from splitkv.teaching.exercises.kernels import check_merge_kernel
+
+    monkeypatch.delenv("SPLITKV_SOLUTIONS", raising=False)
+    stubs = (ROOT / "notebooks" / "your_kernels.py").read_text()
+    theirs = (ROOT / "notebooks" / "solutions" / "kernels.py").read_text()
+    body = theirs[theirs.index("def merge_kernel("):]
+    body = body[body.index('    """'):]
+    body = body[:body.index("\n\n\n")] if "\n\n\n" in body else body
+    body = body[body.index('"""', 7) + 3:]  # past the docstring
+    written = stubs.replace('    todo("merge_kernel")', body.strip("\n"))
+    path = tmp_path / "your_kernels.py"
+    path.write_text(written)
+    mine = your_kernels(path)
+    assert exercise(mine.merge_kernel, check_merge_kernel) is mine.merge_kernel
+    out = capsys.readouterr().out
+    assert out.startswith("passed: merge_kernel") and "stored" not in out
+    # The other kernels of the file are still stubs: they wait.
+    from splitkv.teaching.exercises.splitting import check_tile_step
+    exercise(mine.tile_step, check_tile_step)
+    assert capsys.readouterr().out.startswith("waiting: tile_step is not written yet (write tile_step in your_kernels.py")

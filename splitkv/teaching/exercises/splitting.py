@@ -112,7 +112,7 @@ def check_tile_step(step_fn, seed: int = 0) -> str:
         AssertionError: naming the first case where the state is wrong.
     """
     if is_stub(step_fn):
-        raise Unsolved("write tile_step here: replace the todo(...) line by your code")
+        raise Unsolved("write tile_step in your_kernels.py: replace its todo(...) line by your code")
     ln2 = math.log(2.0)
     cases = _step_cases(seed)
     for desc, hint, s, v in cases:
