@@ -115,6 +115,16 @@ def _n_splits(p, block_n: int, num_sms: int) -> int:
     return max(1, min(per_program, -(-longest // block_n), 64))
 
 
+def _attempt(what: str, fn: Callable[[], Optional[float]], out: TextIO) -> Optional[float]:
+    """``fn()``, or ``None`` after printing why it failed."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        print(f"  ({what}: not measured, {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})",
+              file=out)
+        return None
+
+
 def run_lab(use_solutions: bool = False, quick: bool = False, out: TextIO = sys.stdout, *,
             dry_run: Optional[dict] = None) -> Optional[dict]:
     """Run the lab and print its tables to ``out``; return what it measured (``None`` without a GPU).
@@ -180,23 +190,29 @@ def run_lab(use_solutions: bool = False, quick: bool = False, out: TextIO = sys.
             raise AssertionError(f"{label} batch {batch}, prefix {prefix}: your output is off by {err:.2g} "
                                  f"(relative) at this shape; fix it before timing it")
 
-        runner = splitkv.VerifySplitKV(h_q, h_kv, d, d, p.max_len_extend, batch, device)
-        plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr,
-                           p.kv_indptr, p.kv_indices, sm_scale=p.sm_scale)
-        out_buf = p.new_output()
-        t_yours = timer.graph(yours)
-        t_pkg = timer.graph(lambda: plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer,
-                                             out=out_buf))
-        gather = gather_floor(p)
+        def package():
+            runner = splitkv.VerifySplitKV(h_q, h_kv, d, d, p.max_len_extend, batch, device)
+            plan = runner.plan(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, p.qo_indptr,
+                               p.kv_indptr, p.kv_indices, sm_scale=p.sm_scale)
+            out_buf = p.new_output()
+            return timer.graph(lambda: plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer,
+                                                out=out_buf))
+
+        # One measurement that fails (out of memory, say) is reported and the lab goes on.
+        t_yours, t_pkg, gather = (_attempt(what, fn, out) for what, fn in (
+            ("your kernels", lambda: timer.graph(yours)), ("splitkv", package), ("the gather floor",
+                                                                                lambda: gather_floor(p))))
         floor = kv_bytes / bandwidth * 1e6
         row = dict(shape=label, batch=batch, prefix=prefix, n_splits=n_splits, kv_bytes=kv_bytes, floor_us=floor,
                    gather_floor_us=gather, yours_us=t_yours, splitkv_us=t_pkg)
         results["rows"].append(row)
         name = f"{label} bs{batch} {prefix // 1024}k ({n_splits} sl.)"
-        print(f"{name:<30}{kv_bytes / 1e6:>8.0f}{floor:>8.1f}{(gather or float('nan')):>8.1f}{t_yours:>8.1f}"
+        nan = float("nan")
+        t_yours, t_pkg, gather = (nan if t is None else t for t in (t_yours, t_pkg, gather))
+        print(f"{name:<30}{kv_bytes / 1e6:>8.0f}{floor:>8.1f}{gather:>8.1f}{t_yours:>8.1f}"
               f"{t_pkg:>9.1f}{kv_bytes / t_yours / 1e6:>12.2f}{kv_bytes / t_pkg / 1e6:>14.2f}"
               f"{floor / t_yours:>12.0%}", file=out)
-        del p, part_o, part_lse, o_t, lse_t, ref_o, ref_lse, plan, runner, out_buf
+        del p, part_o, part_lse, o_t, lse_t, ref_o, ref_lse
         if device == "cuda":
             torch.cuda.empty_cache()
 
