@@ -1,6 +1,6 @@
-"""The Triton kernel checkers (notebooks 02-04) accept the worked solutions and reject plausible slips, saying why.
+"""The Triton kernel checkers (notebooks 03-04) accept the stored solutions and reject plausible slips, saying why.
 
-Each slip is the worked solution with one edit, written to a module of its
+Each slip is the stored solution with one edit, written to a module of its
 own (Triton reads a kernel's source from its file), so the tests show the
 exact line a learner might get wrong.
 """
@@ -16,8 +16,14 @@ import splitkv  # noqa: F401  (sets TRITON_INTERPRET=1 before triton is imported
 import triton
 import triton.language as tl
 
-from splitkv.teaching.exercises import Unsolved, exercise, is_stub, todo
+from splitkv.teaching.exercises import Unsolved, exercise, is_stub, solution_of, todo
 from splitkv.teaching.exercises import kernels as K
+
+# The stored solutions (notebooks/solutions/kernels.py), the kernels each slip below edits.
+solution_merge_kernel = solution_of(K.check_merge_kernel)
+solution_load_q_tile = solution_of(K.check_load_q)
+solution_slice_kernel = solution_of(K.check_slice_kernel)
+solution_draft_kernel = solution_of(K.check_draft_kernel)
 
 # Slips that divide by 0, shift by -inf or skip the max shift make NaN and inf on purpose; NumPy (under the
 # interpreter) warns about them.
@@ -26,8 +32,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered"),
 
 HEADER = """import triton
 import triton.language as tl
-from splitkv.teaching.exercises.splitting import solution_tile_step
-from splitkv.teaching.exercises.kernels import solution_load_q_tile
+from _splitkv_solutions_kernels import tile_step, load_q_tile
 """
 
 
@@ -54,8 +59,8 @@ def mutant(tmp_path, kernel, edits, helpers=()):
 
 @pytest.mark.parametrize("check", [K.check_merge_kernel, K.check_load_q, K.check_slice_kernel, K.check_draft_kernel])
 def test_solutions_pass(check):
-    assert check(check.solution).startswith("passed")
-    assert check(check.solution, seed=3).startswith("passed")
+    assert check(solution_of(check)).startswith("passed")
+    assert check(solution_of(check), seed=3).startswith("passed")
 
 
 # --- merge_kernel ---------------------------------------------------------------------------------
@@ -67,7 +72,7 @@ MERGE_SLIPS = {
     "multiply, not select": ([("tl.where(w[:, None] > 0, w[:, None] * o, 0.0)", "w[:, None] * o")],
                              "empty parts \\(o = NaN\\).*select"),
     "no guard for m = -inf": ([("shift = tl.where(m_new == float(\"-inf\"), 0.0, m_new)", "shift = m_new")],
-                              "empty first parts.*shift by 0 there"),
+                              "empty first parts.*shift by 0 where the running maximum is still -inf"),
     "LSE left in base 2": ([("lse2 * 0.6931471805599453", "lse2")], "lse is in base 2"),
 }
 
@@ -77,7 +82,7 @@ MERGE_SLIPS = {
 def test_merge_kernel_checker_rejects(tmp_path, slip):
     edits, says = MERGE_SLIPS[slip]
     with pytest.raises(AssertionError, match=says):
-        K.check_merge_kernel(mutant(tmp_path, K.solution_merge_kernel, edits))
+        K.check_merge_kernel(mutant(tmp_path, solution_merge_kernel, edits))
 
 
 # --- load_q_tile ----------------------------------------------------------------------------------
@@ -98,7 +103,7 @@ LOAD_SLIPS = {
 def test_load_q_checker_rejects(tmp_path, slip):
     edits, says = LOAD_SLIPS[slip]
     with pytest.raises(AssertionError, match=says):
-        K.check_load_q(mutant(tmp_path, K.solution_load_q_tile, edits))
+        K.check_load_q(mutant(tmp_path, solution_load_q_tile, edits))
 
 
 # --- slice_kernel ---------------------------------------------------------------------------------
@@ -112,6 +117,8 @@ SLICE_SLIPS = {
     "slices not whole tiles": ([("split_len = tl.cdiv(tl.cdiv(n_prefix, tl.num_programs(2)), BLOCK_N) * BLOCK_N",
                                  "split_len = tl.cdiv(n_prefix, tl.num_programs(2))")], "whole BLOCK_N tiles"),
     "slice not clamped": ([("hi = tl.minimum(lo + split_len, n_prefix)", "hi = lo + split_len")], "clamp the slice"),
+    "no transpose": ([("s = tl.dot(q, tl.trans(k)) * qk_scale", "s = tl.dot(q, k) * qk_scale")],
+                     "tl.dot's operands do not fit.*tl.dot\\(q, tl.trans\\(k\\)\\)"),
     "n_parts ignored": ([("part = ((b * tl.num_programs(1) + kv_head) * n_parts + split)",
                           "part = ((b * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split)")],
                         "n_parts"),
@@ -123,7 +130,7 @@ SLICE_SLIPS = {
 def test_slice_kernel_checker_rejects(tmp_path, slip):
     edits, says = SLICE_SLIPS[slip]
     with pytest.raises(AssertionError, match=says):
-        K.check_slice_kernel(mutant(tmp_path, K.solution_slice_kernel, edits))
+        K.check_slice_kernel(mutant(tmp_path, solution_slice_kernel, edits))
 
 
 # --- draft_kernel ---------------------------------------------------------------------------------
@@ -138,6 +145,16 @@ DRAFT_SLIPS = {
     "tree mask rows L long": ([("row_l[:, None] * (n_prefix + n_draft)", "row_l[:, None] * n_draft")],
                               "tree mask.*P \\+ L long"),
     "tree treated as a chain": ([("    if TREE:", "    if False:")], "tree mask.*read the visibility"),
+    # The output is right and only the LSE is wrong: the message must say so, not "o off by".
+    "natural-log LSE": ([("m_i + tl.log2(tl.where(has, l_i, 1.0))",
+                          "(m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453")],
+                        "o is right but lse is in natural log.*base 2"),
+    "padding rows not (0, -inf)": ([("tl.log2(tl.where(has, l_i, 1.0)), float(\"-inf\"))",
+                                     "tl.log2(tl.where(has, l_i, 1.0)), 0.0)")],
+                                   "padding rows.*\\(0, -inf\\).*weigh them 0"),
+    # D = 64, BLOCK_M = 32 and BLOCK_L = 16 in the checker: tl.dot(q, k) cannot run, and is named.
+    "no transpose": ([("s = tl.dot(q, tl.trans(k)) * qk_scale", "s = tl.dot(q, k) * qk_scale")],
+                     "tl.dot's operands do not fit.*tl.dot\\(q, tl.trans\\(k\\)\\)"),
 }
 
 
@@ -146,7 +163,7 @@ DRAFT_SLIPS = {
 def test_draft_kernel_checker_rejects(tmp_path, slip):
     edits, says = DRAFT_SLIPS[slip]
     with pytest.raises(AssertionError, match=says):
-        K.check_draft_kernel(mutant(tmp_path, K.solution_draft_kernel, edits))
+        K.check_draft_kernel(mutant(tmp_path, solution_draft_kernel, edits))
 
 
 # --- stubs ----------------------------------------------------------------------------------------
@@ -158,17 +175,17 @@ def merge_kernel(Part_O, Part_LSE, O, LSE, n_parts, DV: tl.constexpr, BLOCK_M: t
 
 def test_kernel_stub_waits(monkeypatch, capsys):
     monkeypatch.delenv("SPLITKV_SOLUTIONS", raising=False)
-    assert is_stub(merge_kernel) and not is_stub(K.solution_merge_kernel)
+    assert is_stub(merge_kernel) and not is_stub(solution_merge_kernel)
     with pytest.raises(Unsolved):
         K.check_merge_kernel(merge_kernel)
-    assert exercise(merge_kernel, K.check_merge_kernel) is K.solution_merge_kernel
+    assert exercise(merge_kernel, K.check_merge_kernel) is solution_merge_kernel
     printed = capsys.readouterr().out
     assert printed.startswith("waiting: merge_kernel") and "passed" not in printed
 
 
 def test_switch_runs_the_solution(monkeypatch, capsys):
     monkeypatch.setenv("SPLITKV_SOLUTIONS", "1")
-    assert exercise(merge_kernel, K.check_merge_kernel) is K.solution_merge_kernel
+    assert exercise(merge_kernel, K.check_merge_kernel) is solution_merge_kernel
     assert capsys.readouterr().out.startswith("passed")
 
 
@@ -178,6 +195,6 @@ def test_split_kv_matches_the_oracle():
 
     for mask in ("causal", "tree"):
         p = make_problem([37, 0, 20], [3, 2, 4], 4, 2, 16, dtype=torch.float32, mask=mask, seed=4)
-        o, lse = K.split_kv(p, 3, K.solution_slice_kernel, K.solution_draft_kernel, K.solution_merge_kernel)
+        o, lse = K.split_kv(p, 3, solution_slice_kernel, solution_draft_kernel, solution_merge_kernel)
         ref_o, ref_lse = reference_for(p, return_lse=True)
         assert relative_error(o, ref_o) < 1e-4 and relative_error(lse, ref_lse) < 1e-4

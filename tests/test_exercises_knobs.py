@@ -10,8 +10,11 @@ from splitkv.resources import H200_SHARED_MEMORY, SLACK, shared_memory_bytes
 from splitkv.schedule import TileConfig
 from splitkv.teaching.exercises import Unsolved, exercise, todo
 from splitkv.teaching.exercises.knobs import (SM_SHARED_MEMORY, check_programs_per_sm, check_tile_shared_bytes,
-                                              recorded_sweep, simple_case, solution_programs_per_sm,
-                                              solution_tile_shared_bytes)
+                                              recorded_sweep, simple_case)
+from splitkv.teaching.exercises import solution_of
+
+solution_programs_per_sm = solution_of(check_programs_per_sm)
+solution_tile_shared_bytes = solution_of(check_tile_shared_bytes)
 
 
 def test_solution_passes():

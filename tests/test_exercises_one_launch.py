@@ -2,8 +2,11 @@
 
 import pytest
 
-from splitkv.teaching.exercises.one_launch import (atomic_add, check_arrive, check_who_merges, solution_arrive,
-                                                    solution_who_merges)
+from splitkv.teaching.exercises.one_launch import atomic_add, check_arrive, check_who_merges
+from splitkv.teaching.exercises import solution_of
+
+solution_arrive = solution_of(check_arrive)
+solution_who_merges = solution_of(check_who_merges)
 
 
 def arrive_no_reset(counters, tile, n_used):
@@ -74,3 +77,29 @@ def test_who_merges_checker_rejects(answers, says):
 
 def test_who_merges_accepts_a_function():
     assert check_who_merges(solution_who_merges).startswith("passed")
+
+
+def arrive_read_then_write(counters, tile, n_used):
+    # Not atomic: a plain read, then a write; two programs that read the same count lose an arrival on a GPU.
+    done = counters[tile]
+    counters[tile] = done + 1
+    if done == n_used - 1:
+        counters[tile] = 0
+        return True
+    return False
+
+
+def arrive_plus_equals(counters, tile, n_used):
+    # `+=` is a read and a write too; then the count is read again.
+    counters[tile] += 1
+    if counters[tile] == n_used:
+        counters[tile] = 0
+        return True
+    return False
+
+
+@pytest.mark.parametrize("arrive", [arrive_read_then_write, arrive_plus_equals])
+def test_arrive_checker_catches_a_non_atomic_count(arrive):
+    # In a sequential replay these would count right; the checker names the race instead of passing them.
+    with pytest.raises(AssertionError, match=r"two steps.*both read the same count.*atomic_add"):
+        check_arrive(arrive)

@@ -2,9 +2,12 @@
 
 import pytest
 
-from splitkv.teaching.exercises.performance import (check_floor_us, check_gather_gap, recorded_rows,
-                                                    solution_floor_us, solution_gather_gap)
+from splitkv.teaching.exercises.performance import check_floor_us, check_gather_gap, recorded_rows
 from splitkv.testing import MODEL_SHAPES
+from splitkv.teaching.exercises import solution_of
+
+solution_floor_us = solution_of(check_floor_us)
+solution_gather_gap = solution_of(check_gather_gap)
 
 
 def test_floor_solution_passes_and_reproduces_the_recorded_floors():
@@ -57,7 +60,7 @@ def test_an_unwritten_stub_waits_and_hands_on_the_solution(monkeypatch, capsys, 
     def stub(*args, **kwargs):
         todo("it")
 
-    assert checker.solution is solution
+    assert solution_of(checker) is solution
     assert exercise(stub, checker) is solution
     out = capsys.readouterr().out
     assert out.startswith("waiting:") and "passed" not in out

@@ -2,8 +2,11 @@
 
 import pytest
 
-from splitkv.teaching.exercises.problem import (check_bytes_in_flight, check_kv_bytes, solution_bytes_in_flight,
-                                                solution_kv_bytes)
+from splitkv.teaching.exercises.problem import check_bytes_in_flight, check_kv_bytes
+from splitkv.teaching.exercises import solution_of
+
+solution_bytes_in_flight = solution_of(check_bytes_in_flight)
+solution_kv_bytes = solution_of(check_kv_bytes)
 
 
 def test_solutions_pass():
@@ -53,4 +56,4 @@ def test_a_stub_waits_and_hands_on_the_solution(monkeypatch, capsys):
 
 @pytest.mark.parametrize("check", [check_kv_bytes, check_bytes_in_flight])
 def test_checkers_know_their_solution(check):
-    assert check(check.solution).startswith("passed")
+    assert check(solution_of(check)).startswith("passed")

@@ -4,9 +4,12 @@ and its planted kernels really are wrong while the real one is right."""
 import pytest
 import torch
 
-from splitkv.teaching.exercises.testing import PLANTED, check_test, real_kernel, solution_test
+from splitkv.teaching.exercises.testing import PLANTED, check_test, real_kernel
 from splitkv.teaching.lessons import DEVICE
 from splitkv.testing import TOLERANCE, make_problem, reference_for, relative_error
+from splitkv.teaching.exercises import solution_of
+
+solution_test = solution_of(check_test)
 
 
 def _problem(prefix, drafts, seed=3):
@@ -83,7 +86,7 @@ def test_an_unwritten_stub_waits_and_hands_on_the_solution(monkeypatch, capsys):
     def my_test(kernel):
         todo("my_test")
 
-    assert check_test.solution is solution_test
+    assert solution_of(check_test) is solution_test
     assert exercise(my_test, check_test) is solution_test
     out = capsys.readouterr().out
     assert out.startswith("waiting:") and "passed" not in out

@@ -77,6 +77,7 @@ NOTEBOOKS = [
     "06_performance",
     "06b_knobs",
     "07_context_parallel",
+    "08_gpu_lab",
 ]
 
 
@@ -383,7 +384,14 @@ def test_benchmarks_page(browser, base_url):
         page.close()
 
 
-@pytest.mark.parametrize("path", ["integration/", "design/"])
+def test_the_site_publishes_no_solution(site):
+    # The exercises' solutions (notebooks/solutions/) stay off the site; the learner's stub file may be there.
+    assert not (site / "notebooks" / "solutions").exists()
+    assert not [p for p in site.rglob("*") if p.is_file() and p.suffix in (".html", ".py", ".json")
+                and "def solution_" in p.read_text(errors="ignore")]
+
+
+@pytest.mark.parametrize("path", ["integration/", "design/", "instructor/"])
 def test_other_page(browser, base_url, path):
     page, problems = load(browser, base_url, path)
     try:

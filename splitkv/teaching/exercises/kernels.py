@@ -29,6 +29,7 @@ wrong, also with what each usual slip would produce, to name the slip.
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -38,130 +39,12 @@ import triton.language as tl
 from . import Unsolved, checks, is_stub
 from .. import lessons
 from ...testing import make_problem, relative_error
-from .splitting import solution_tile_step
 
-__all__ = ["solution_merge_kernel", "solution_load_q_tile", "solution_slice_kernel", "solution_draft_kernel",
-           "check_merge_kernel", "check_load_q", "check_slice_kernel", "check_draft_kernel",
+__all__ = ["check_merge_kernel", "check_load_q", "check_slice_kernel", "check_draft_kernel",
            "new_scratch", "run_slices", "run_draft", "run_merge", "split_kv", "unpack_tiles", "block_m_for"]
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
-
-
-# --- worked solutions ---------------------------------------------------------------------------
-
-@triton.jit
-def solution_merge_kernel(Part_O, Part_LSE, O, LSE, n_parts, DV: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Program ``t`` merges tile ``t``'s ``n_parts`` states into ``O [t] [BLOCK_M, DV]``, ``LSE [t]`` (natural log)."""
-    t = tl.program_id(0)
-    r, dv = tl.arange(0, BLOCK_M), tl.arange(0, DV)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running maximum of the base-2 LSEs
-    den = tl.zeros([BLOCK_M], tl.float32)                # sum of 2^(lse_s - m)
-    acc = tl.zeros([BLOCK_M, DV], tl.float32)            # sum of 2^(lse_s - m) o_s
-    for s in range(n_parts):  # parts in a fixed order: the same bits on every run
-        row = (t * n_parts + s) * BLOCK_M + r
-        lse = tl.load(Part_LSE + row)
-        o = tl.load(Part_O + row[:, None] * DV + dv[None, :])
-        m_new = tl.maximum(m, lse)
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # every part so far empty: shift by 0, not -inf
-        alpha = tl.exp2(m - shift)  # rescales what was summed against the old maximum
-        w = tl.exp2(lse - shift)    # this part's weight, at most 1; 0 for an empty part
-        den = den * alpha + w
-        acc = acc * alpha[:, None] + tl.where(w[:, None] > 0, w[:, None] * o, 0.0)  # select: 0 * NaN = NaN
-        m = m_new
-    has = den > 0
-    tl.store(O + (t * BLOCK_M + r)[:, None] * DV + dv[None, :], acc / tl.where(has, den, 1.0)[:, None])
-    lse2 = m + tl.log2(tl.where(has, den, 1.0))
-    tl.store(LSE + t * BLOCK_M + r, tl.where(has, lse2 * 0.6931471805599453, float("-inf")))  # x ln 2: natural log
-
-
-@triton.jit
-def solution_load_q_tile(Q, q_start, n_draft, kv_head, stride_qt, stride_qh,
-                         GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The ``[BLOCK_M, D]`` query tile of one KV head: row ``r`` is draft ``r // GROUP`` of head ``kv_head * GROUP + r % GROUP``."""
-    r = tl.arange(0, BLOCK_M)
-    d = tl.arange(0, D)
-    token = q_start + r // GROUP        # draft-major: the G heads of draft 0, then of draft 1, ...
-    head = kv_head * GROUP + r % GROUP  # the query heads that share this KV head
-    row_ok = r // GROUP < n_draft       # padding rows: 0, never the next sequence's queries
-    return tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                   mask=row_ok[:, None], other=0.0)
-
-
-@triton.jit
-def solution_slice_kernel(Q, K, V, qo_indptr, kv_indptr, kv_indices, Part_O, Part_LSE, qk_scale, n_parts,
-                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                          GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid ``(batch, H_kv, n_splits)``: the base-2 partial state of one tile over one slice of its prefix."""
-    b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    # The slice: an even share of the prefix, rounded up to whole key tiles; the last ones may be short or empty.
-    kv_start = tl.load(kv_indptr + b)
-    n_prefix = tl.load(kv_indptr + b + 1) - kv_start
-    split_len = tl.cdiv(tl.cdiv(n_prefix, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, n_prefix)
-    q_start = tl.load(qo_indptr + b)
-    q = solution_load_q_tile(Q, q_start, tl.load(qo_indptr + b + 1) - q_start, kv_head, stride_qt, stride_qh,
-                             GROUP, D, BLOCK_M)
-    d, dv = tl.arange(0, D), tl.arange(0, DV)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DV], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        slot = tl.load(kv_indices + kv_start + n, mask=n_ok, other=0).to(tl.int64)  # the gather
-        k = tl.load(K + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=n_ok[:, None], other=0.0)
-        v = tl.load(V + slot[:, None] * stride_vt + kv_head * stride_vh + dv[None, :], mask=n_ok[:, None],
-                    other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # base 2: qk_scale = sm_scale * log2(e)
-        m_i, l_i, acc = solution_tile_step(m_i, l_i, acc, tl.where(n_ok[None, :], s, float("-inf")), v)
-    # Part `split` of tile (b, kv_head); an empty slice (l_i = 0) stores (0, -inf), never 0 / 0.
-    r = tl.arange(0, BLOCK_M)
-    has = l_i > 0
-    part = ((b * tl.num_programs(1) + kv_head) * n_parts + split) * BLOCK_M + r
-    tl.store(Part_O + part[:, None] * DV + dv[None, :], acc / tl.where(has, l_i, 1.0)[:, None])
-    tl.store(Part_LSE + part, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")))
-
-
-@triton.jit
-def solution_draft_kernel(Q, K_Ext, V_Ext, qo_indptr, kv_indptr, Mask, mask_indptr, Part_O, Part_LSE,
-                          qk_scale, n_parts, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                          GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr, TREE: tl.constexpr):
-    """Grid ``(batch, H_kv)``: the partial state of one tile over its draft block, stored as part ``n_parts - 1``."""
-    b, kv_head = tl.program_id(0), tl.program_id(1)
-    q_start = tl.load(qo_indptr + b)
-    n_draft = tl.load(qo_indptr + b + 1) - q_start
-    q = solution_load_q_tile(Q, q_start, n_draft, kv_head, stride_qt, stride_qh, GROUP, D, BLOCK_M)
-    d, dv = tl.arange(0, D), tl.arange(0, DV)
-    row_l = tl.arange(0, BLOCK_M) // GROUP  # the draft token of each packed row
-    j = tl.arange(0, BLOCK_L)               # the draft keys
-    j_ok = j < n_draft
-    k = tl.load(K_Ext + (q_start + j)[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
-                mask=j_ok[:, None], other=0.0)
-    v = tl.load(V_Ext + (q_start + j)[:, None] * stride_vt + kv_head * stride_vh + dv[None, :],
-                mask=j_ok[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k)) * qk_scale
-    ok = (row_l < n_draft)[:, None] & j_ok[None, :]
-    if TREE:
-        # Row l of the sequence's [L, P + L] mask; the draft columns start after the P prefix columns.
-        n_prefix = tl.load(kv_indptr + b + 1) - tl.load(kv_indptr + b)
-        at = tl.load(mask_indptr + b) + row_l[:, None] * (n_prefix + n_draft) + n_prefix + j[None, :]
-        visible = ok & (tl.load(Mask + at, mask=ok, other=0) != 0)
-    else:
-        visible = ok & (j[None, :] <= row_l[:, None])  # causal: draft l sees drafts 0..l, itself included
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DV], tl.float32)
-    m_i, l_i, acc = solution_tile_step(m_i, l_i, acc, tl.where(visible, s, float("-inf")), v)
-    # The tile's last part; padding rows (l_i = 0) store (0, -inf).
-    r = tl.arange(0, BLOCK_M)
-    has = l_i > 0
-    part = ((b * tl.num_programs(1) + kv_head) * n_parts + n_parts - 1) * BLOCK_M + r
-    tl.store(Part_O + part[:, None] * DV + dv[None, :], acc / tl.where(has, l_i, 1.0)[:, None])
-    tl.store(Part_LSE + part, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")))
 
 
 # --- launching ----------------------------------------------------------------------------------
@@ -244,19 +127,28 @@ def unpack_tiles(p, o_t: torch.Tensor, lse_t: torch.Tensor) -> Tuple[torch.Tenso
 def _require_kernel(fn, what: str) -> None:
     """Raise :class:`Unsolved` for a stub, and a clear error for something that is not a ``@triton.jit`` function."""
     if is_stub(fn):
-        raise Unsolved(f"write {what} here: replace the todo(...) line by your code")
+        raise Unsolved(f"write {what} in your_kernels.py: replace its todo(...) line by your code")
     if not hasattr(fn, "fn"):
         raise AssertionError(f"{what} should be a @triton.jit function, got {type(fn).__name__}")
 
 
+_DOT_SHAPES = ("the scores are q times k transposed, tl.dot(q, tl.trans(k)): [BLOCK_M, D] x [D, BLOCK_N]; the "
+               "output adds tl.dot(p, v): [BLOCK_M, BLOCK_N] x [BLOCK_N, DV]. The checker's shapes make D, BLOCK_N "
+               "and BLOCK_M differ, so a missing transpose cannot pass by accident")
+
+
 def _run(what: str, launch: Callable):
-    """Run a launch; a crash is a wrong answer too, reported with its cause."""
+    """Run a launch; a crash is a wrong answer too, reported with its cause (a tl.dot of mismatched shapes by name)."""
     try:
         return launch()
     except Unsolved:
         raise
     except Exception as e:  # noqa: BLE001
-        raise AssertionError(f"{what} raised {type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
+        text = f"{e} {e.__cause__ or ''}"
+        first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        if re.search(r"reduction dimension|compatible for matmul|incompatible dimensions|dot.*shape", text, re.I | re.S):
+            raise AssertionError(f"{what}: a tl.dot's operands do not fit ({first}). Hint: {_DOT_SHAPES}") from e
+        raise AssertionError(f"{what} raised {type(e).__name__}: {first}") from e
 
 
 def _states_close(o, lse, o_ref, lse_ref, tol: float) -> bool:
@@ -289,8 +181,8 @@ def _state2(q, k, v, visible=None):
 
 _M_SHIFT = ("subtract the running maximum: w = tl.exp2(lse - shift) with shift = max of the LSEs so far, and rescale "
             "den and acc by alpha = tl.exp2(m - shift) when it grows (2^lse overflows float32 for lse > 128)")
-_M_GUARD = ("a row whose parts so far are all empty has m = -inf, and 2^(-inf - (-inf)) is NaN: shift by 0 there, "
-            "shift = tl.where(m_new == float('-inf'), 0.0, m_new)")
+_M_GUARD = ("a row whose parts so far are all empty has m = -inf, and 2^(-inf - (-inf)) is NaN: shift by 0 "
+            "where the running maximum is still -inf")
 _M_SELECT = ("an empty part's o is garbage (NaN here) and 0 * NaN = NaN: select, "
              "tl.where(w[:, None] > 0, w[:, None] * o, 0.0), rather than multiply")
 _M_BASE = ("the partial LSEs are base 2, the merged LSE is natural log: store (m + tl.log2(den)) * ln 2 "
@@ -343,7 +235,7 @@ def _merge_cases(seed: int):
     ]
 
 
-@checks(solution_merge_kernel)
+@checks("kernels", "merge_kernel")
 def check_merge_kernel(kernel, seed: int = 0) -> str:
     """Check a learner's ``@triton.jit`` ``merge_kernel(Part_O, Part_LSE, O, LSE, n_parts, DV, BLOCK_M)``.
 
@@ -404,7 +296,7 @@ def _locate(row: torch.Tensor, q: torch.Tensor) -> Optional[Tuple[int, int]]:
     return tuple(hit[0].tolist()) if len(hit) else None
 
 
-@checks(solution_load_q_tile)
+@checks("kernels", "load_q_tile")
 def check_load_q(load_fn, seed: int = 0) -> str:
     """Check a learner's ``@triton.jit`` ``load_q_tile(Q, q_start, n_draft, kv_head, stride_qt, stride_qh, GROUP, D,
     BLOCK_M)`` on a ragged batch with a padded (non-contiguous) ``Q``, naming the first misplaced row."""
@@ -454,9 +346,9 @@ _S_GUARD = ("an empty slice (or padding row) has l_i = 0: store o = 0 and lse = 
 _S_GATHER = ("key n of sequence b sits in pool row kv_indices[kv_indptr[b] + n]: load the slot numbers first, then "
              "K and V at those rows; the prefix is not contiguous in the pool")
 _S_BASE = "store the partial LSE in base 2, m_i + tl.log2(l_i): the scores are base 2 and the merge expects base 2"
-_S_TILES = ("split_len is the even share cdiv(n_prefix, n_splits) rounded up to whole BLOCK_N tiles: "
-            "tl.cdiv(tl.cdiv(n_prefix, n_splits), BLOCK_N) * BLOCK_N")
-_S_CLAMP = "clamp the slice to the prefix, hi = tl.minimum(lo + split_len, n_prefix): past it lie other sequences' keys"
+_S_TILES = ("split_len is the even share cdiv(n_prefix, n_splits) rounded up to whole BLOCK_N tiles, so that "
+            "every slice but the last is whole tiles")
+_S_CLAMP = "clamp the slice's end to the prefix length: past it lie other sequences' keys"
 _S_INDEX = ("store part `split` of tile (b, kv_head) at rows ((b * H_kv + kv_head) * n_parts + split) * BLOCK_M + r "
             "(H_kv = tl.num_programs(1)); n_parts, the scratch's parts per tile, may exceed the slices")
 _S_GENERIC = ("scores: tl.dot(q, tl.trans(k)) * qk_scale; fold every key tile of [lo, hi) with tile_step, "
@@ -485,7 +377,7 @@ def _slice_state(p, b, kv_head, lo, hi, gather=True):
     return _state2(q, p.k_buffer.cpu()[slots, kv_head], p.v_buffer.cpu()[slots, kv_head])
 
 
-@checks(solution_slice_kernel)
+@checks("kernels", "slice_kernel")
 def check_slice_kernel(kernel, seed: int = 0) -> str:
     """Check a learner's ``@triton.jit`` ``slice_kernel`` (grid ``(batch, H_kv, n_splits)``) slice by slice.
 
@@ -494,10 +386,16 @@ def check_slice_kernel(kernel, seed: int = 0) -> str:
     """
     _require_kernel(kernel, "slice_kernel")
     dev = lessons.DEVICE
-    block_n, n_splits = 16, 3
+    # D = 64, BLOCK_N = 32, BLOCK_M = 16: all different, so a missing transpose or a swapped dimension fails by name.
+    block_n, n_splits, head_dim = 32, 3, 64
     cases = [([40, 0, 23, 16], [2, 1, 3, 2], 4, 2, seed), ([70, 9], [1, 2], 6, 3, seed + 1)]
     for prefixes, drafts, h_q, h_kv, s in cases:
-        p = make_problem(prefixes, drafts, h_q, h_kv, 16, dtype=torch.float32, device=dev, seed=s)
+        p = make_problem(prefixes, drafts, h_q, h_kv, head_dim, dtype=torch.float32, device=dev, seed=s)
+        # kv_indices runs on past the last prefix with valid slots: a slice that is not clamped reads real keys
+        # (and is named below) instead of memory past the tensor.
+        gen = torch.Generator().manual_seed(s)
+        tail = torch.randint(0, p.k_buffer.shape[0], (n_splits * block_n * 2,), generator=gen).to(p.kv_indices)
+        p = p.replace(kv_indices=torch.cat([p.kv_indices, tail]))
         part_o, part_lse = new_scratch(p, n_splits + 1)
         _run("slice_kernel", lambda: run_slices(kernel, p, n_splits, part_o, part_lse, block_n))
         part_o, part_lse = part_o.cpu().double(), part_lse.cpu().double()
@@ -530,6 +428,9 @@ def _slice_diagnosis(p, b, kv_head, split, o, lse, o_ref, lse_ref, n_splits, blo
     empty = torch.isneginf(lse_ref)
     if (~empty).any() and _states_close(o, lse / LN2, o_ref, lse_ref, 1e-4):
         return f"lse is in natural log. Hint: {_S_BASE}"
+    lse_problem = _lse_problem(o, lse, o_ref, lse_ref)
+    if lse_problem:
+        return lse_problem
     slips = [(_S_TILES, dict(rounded=False), True), (_S_CLAMP, dict(clamp=False), True), (_S_GATHER, {}, False)]
     for hint, cut, gather in slips:
         lo, hi = _slices(P, n_splits, block_n, **cut)[split]
@@ -543,6 +444,22 @@ def _slice_diagnosis(p, b, kv_head, split, o, lse, o_ref, lse_ref, n_splits, blo
         return f"the slice is empty, so its state must be (0, -inf). Hint: {_S_GUARD}"
     err = relative_error(o[~empty], o_ref[~empty])
     return f"o off by {err:.2g} (relative). Hint: {_S_GENERIC}"
+
+
+def _lse_problem(o, lse, o_ref, lse_ref) -> Optional[str]:
+    """A message when the output rows are right and only the (base-2) LSE is wrong, naming its base when it can."""
+    seen = ~torch.isneginf(lse_ref)
+    if not seen.any() or relative_error(o[seen], o_ref[seen]) >= 1e-4:
+        return None
+    got, want = lse[seen], lse_ref[seen]
+    if ((got - want * LN2).abs() <= 1e-4 * (1 + want.abs())).all():
+        return ("o is right but lse is in natural log (ln l + m ln 2). Hint: store the partial LSE in base 2, "
+                "m_i + tl.log2(l_i): the scores are base 2 and the merge expects base 2")
+    if ((got * LN2 - want).abs() <= 1e-4 * (1 + want.abs())).all():
+        return "o is right but lse is scaled by 1/ln 2. Hint: store m_i + tl.log2(l_i), base 2, as it is"
+    off = (got - want).abs().max().item()
+    return (f"o is right but lse is off by up to {off:.3g} (base 2). Hint: lse = m_i + tl.log2(l_i), the running "
+            f"maximum plus the log of the running sum, both of base-2 scores")
 
 
 # --- the draft block ------------------------------------------------------------------------------
@@ -588,7 +505,7 @@ def _draft_state(p, b, kv_head, slip=None):
                    _draft_visibility(p, b, slip))
 
 
-@checks(solution_draft_kernel)
+@checks("kernels", "draft_kernel")
 def check_draft_kernel(kernel, seed: int = 0) -> str:
     """Check a learner's ``@triton.jit`` ``draft_kernel`` (grid ``(batch, H_kv)``) under a causal chain and a tree."""
     _require_kernel(kernel, "draft_kernel")
@@ -598,7 +515,8 @@ def check_draft_kernel(kernel, seed: int = 0) -> str:
              "tree": [("diag", _D_DIAG), ("row", _D_ROW), ("offset", _D_OFFSET), ("stride", _D_STRIDE),
                       ("causal", _D_TREE)]}
     for mask in ("causal", "tree"):
-        p = make_problem([5, 0, 12], [3, 5, 2], 4, 2, 16, dtype=torch.float32, device=dev, mask=mask, seed=seed)
+        # D = 64, BLOCK_M = 32 (4 heads x 5 drafts), BLOCK_L = 16: a missing transpose fails by name.
+        p = make_problem([5, 0, 12], [3, 5, 2], 8, 2, 64, dtype=torch.float32, device=dev, mask=mask, seed=seed)
         part_o, part_lse = new_scratch(p, n_parts)
         _run("draft_kernel", lambda: run_draft(kernel, p, part_o, part_lse))
         part_o, part_lse = part_o.cpu().double(), part_lse.cpu().double()
@@ -616,10 +534,16 @@ def check_draft_kernel(kernel, seed: int = 0) -> str:
                     raise AssertionError(f"{where}: NaN in the stored state (rows past the drafts see no key: "
                                          f"store o = 0, lse = -inf there). Hint: {_D_GENERIC}")
                 if not (torch.isneginf(lse[rows:]).all() and (o[rows:] == 0).all()):
-                    raise AssertionError(f"{where}: padding rows (r >= {rows}) should hold (0, -inf)")
+                    raise AssertionError(f"{where}: padding rows (r >= {rows} = GROUP x n_draft) should hold "
+                                         f"(o, lse) = (0, -inf): they see no key, and the merge must weigh them 0. "
+                                         f"Hint: store o = acc / tl.where(l_i > 0, l_i, 1.0) and lse = -inf where "
+                                         f"l_i = 0")
                 o_ref, lse_ref = _draft_state(p, b, kv_head)
                 if _states_close(o[:rows], lse[:rows], o_ref, lse_ref, 1e-4):
                     continue
+                lse_problem = _lse_problem(o[:rows], lse[:rows], o_ref, lse_ref)
+                if lse_problem:
+                    raise AssertionError(f"{where}: {lse_problem}")
                 for slip, hint in slips[mask]:
                     o_s, l_s = _draft_state(p, b, kv_head, slip)
                     if _states_close(o[:rows], lse[:rows], o_s, l_s, 1e-4):

@@ -37,8 +37,7 @@ from splitkv.schedule import TileConfig
 from . import checks
 
 __all__ = ["SM_SHARED_MEMORY", "SM_REGISTERS", "SM_THREADS", "MAX_PROGRAMS", "simple_case",
-           "solution_tile_shared_bytes", "check_tile_shared_bytes", "solution_programs_per_sm",
-           "check_programs_per_sm", "recorded_sweep"]
+           "check_tile_shared_bytes", "check_programs_per_sm", "recorded_sweep"]
 
 #: Shared memory of one H200 SM (228 KB); one program (block) may take at most 227 KB of it.
 SM_SHARED_MEMORY = 233472
@@ -58,18 +57,6 @@ def simple_case(tile: TileConfig, head_dim: int) -> bool:
     """Whether ``tile`` at ``head_dim`` (token pool, bf16 queries) lies in the exercise's simple case."""
     return (tile.block_m in (16, 32) and tile.block_n >= 32 * tile.num_warps and head_dim >= 16
             and head_dim & (head_dim - 1) == 0)
-
-
-def solution_tile_shared_bytes(tile: TileConfig, head_dim: int, kv_bytes: int) -> int:
-    """Shared memory (bytes) of one program of ``tile``: head dim ``head_dim`` for K and V, a pool of
-    ``kv_bytes``-byte elements (2: bf16, 1: fp8), bf16 queries; the simple case of splitkv.resources."""
-    q = tile.block_m * head_dim * 2                  # the query tile, bf16
-    if kv_bytes == 1:
-        q *= 2                                       # an fp8 pool's dot reads a converted (bf16) copy too
-    buffers = max(1, tile.num_stages - 1)            # the pipeline: loads in flight while one step computes
-    kv = buffers * tile.block_n * 2 * head_dim * kv_bytes  # a K row and a V row per key, per buffer
-    p = tile.block_m * tile.block_n * 2              # the softmax weights P, bf16, for the P.V dot
-    return q + kv + p + SLACK
 
 
 def _variants(tile: TileConfig, d: int, kb: int) -> List[Tuple[int, str]]:
@@ -136,7 +123,7 @@ def _tile_hint(cases, answers, failed: int) -> str:
     return ""
 
 
-@checks(solution_tile_shared_bytes)
+@checks("knobs", "tile_shared_bytes")
 def check_tile_shared_bytes(fn: Callable[[TileConfig, int, int], int]) -> str:
     """Check ``fn(tile, head_dim, kv_bytes)`` against splitkv.resources.shared_memory_bytes on simple-case tiles."""
     rng = random.Random()
@@ -155,7 +142,7 @@ def check_tile_shared_bytes(fn: Callable[[TileConfig, int, int], int]) -> str:
     return f"passed: tile_shared_bytes matches splitkv.resources.shared_memory_bytes on {len(cases)} tiles"
 
 
-def solution_programs_per_sm(n_regs: int, num_warps: int, shared: int) -> int:
+def _expected_programs_per_sm(n_regs: int, num_warps: int, shared: int) -> int:
     """Programs one H200 SM holds at once: the fewest its registers, shared memory and threads allow (1 at least)."""
     threads = 32 * num_warps
     by_registers = SM_REGISTERS // (max(1, n_regs) * threads)
@@ -171,7 +158,7 @@ def recorded_sweep() -> List[dict]:
     return list(tuning.TUNED.get("tile_sweep") or []) + list(tuning.TUNED.get("paged_tile_sweep") or [])
 
 
-@checks(solution_programs_per_sm)
+@checks("knobs", "programs_per_sm")
 def check_programs_per_sm(fn: Callable[[int, int, int], int]) -> str:
     """Check ``fn(n_regs, num_warps, shared)`` on every recorded compiled tile and on random ones."""
     rng = random.Random()
@@ -179,7 +166,7 @@ def check_programs_per_sm(fn: Callable[[int, int, int], int]) -> str:
     cases = [(r["n_regs"], r["num_warps"], r["shared"], r["programs_per_sm"], "recorded") for r in rows]
     for _ in range(60):
         args = (rng.randint(24, 255), rng.choice([1, 2, 4, 8, 16]), rng.randint(4096, 232448))
-        cases.append(args + (solution_programs_per_sm(*args), "random"))
+        cases.append(args + (_expected_programs_per_sm(*args), "random"))
     cases.append((16, 4, 1024, 16, "random"))  # small on every count: the threads decide
     for regs, warps, shared, want, kind in cases:
         got = fn(regs, warps, shared)

@@ -3,7 +3,7 @@
 * :func:`check_arrive` judges ``arrive(counters, tile, n_used) -> bool``: what
   a slice's program does once its partial state is in scratch. It bumps its
   tile's counter, says whether it arrived last (and so merges), and if so sets
-  the counter back to 0 (:func:`solution_arrive`). The checker replays
+  the counter back to 0. The checker replays
   launches of a small grid in plain Python, the programs' steps interleaved in
   random orders as a GPU might run them, on one counter array shared by the
   launches, as the kernel's is.
@@ -22,24 +22,36 @@ from . import checks
 from ... import schedule
 from ...testing import MODEL_SHAPES
 
-__all__ = ["atomic_add", "solution_arrive", "check_arrive", "replay",
-           "MERGE_SHAPES", "MERGER_NAMES", "solution_who_merges", "check_who_merges"]
+__all__ = ["atomic_add", "check_arrive", "replay",
+           "MERGE_SHAPES", "MERGER_NAMES", "check_who_merges"]
 
 
 def atomic_add(counters: List[int], i: int, value: int) -> int:
     """``counters[i] += value`` in one indivisible step; returns the value *before* the add, as ``tl.atomic_add`` does."""
-    old = counters[i]
-    counters[i] = old + value
+    old = list.__getitem__(counters, i)
+    list.__setitem__(counters, i, old + value)
     return old
 
 
-def solution_arrive(counters: List[int], tile: int, n_used: int) -> bool:
-    """Count this slice as published; the program that sees ``n_used - 1`` is the last: it resets and merges."""
-    done = atomic_add(counters, tile, 1)  # slices published before this one
-    if done == n_used - 1:  # every slice of the tile is in scratch
-        counters[tile] = 0  # ready for the next launch, without a memset
-        return True
-    return False
+class _SharedCounters(list):
+    """The replay's counter array: it notes every plain read, and every plain write of a non-zero value.
+
+    On a GPU a plain read and a later write are two steps, and another program
+    of the tile may run between them; only :func:`atomic_add` is one step.
+    """
+
+    def __init__(self, values):
+        super().__init__(values)
+        self.plain = []
+
+    def __getitem__(self, i):
+        self.plain.append(("read", i))
+        return super().__getitem__(i)
+
+    def __setitem__(self, i, value):
+        if value != 0:
+            self.plain.append(("write", i))
+        super().__setitem__(i, value)
 
 
 # --- replaying launches -------------------------------------------------------------------------
@@ -73,7 +85,17 @@ def replay(arrive: Callable, n_used: List[int], counters: List[int], rng: random
         if step == "publish":
             published[tile].add(s)
             continue
+        if isinstance(counters, _SharedCounters):
+            counters.plain.clear()
         last = arrive(counters, tile, n_used[tile])
+        if isinstance(counters, _SharedCounters) and counters.plain:
+            raise AssertionError(
+                f"arrive updates the counter in two steps: it {' then '.join(k for k, _ in counters.plain[:2])}s "
+                f"counters[{counters.plain[0][1]}] outside atomic_add. On a GPU two programs of tile {tile} can both "
+                f"read the same count k before either writes; both write k + 1, one arrival is lost, and no "
+                f"program sees n_used - 1 (the tile is never merged) or two see it. Hint: count with atomic_add, "
+                f"which reads and adds in one indivisible step (tl.atomic_add on the GPU), and use the count it "
+                f"returns; the only plain write is the merging program's reset to 0")
         if not isinstance(last, bool):
             raise AssertionError(f"arrive should return True (this program merges) or False, got {last!r}")
         if last:
@@ -106,12 +128,12 @@ def _launch_problem(merges: Dict[int, list], n_used: List[int], start: List[int]
     return None
 
 
-@checks(solution_arrive)
+@checks("one_launch", "arrive")
 def check_arrive(arrive: Callable, seed: int = 0, orders: int = 20, launches: int = 3) -> str:
     """Replay ``launches`` launches on shared counters, in ``orders`` random interleavings; explain any failure."""
     rng = random.Random(seed)
     for _ in range(orders):
-        counters = [0] * len(_N_USED)
+        counters = _SharedCounters([0] * len(_N_USED))
         for launch in range(1, launches + 1):
             start = list(counters)
             problem = _launch_problem(replay(arrive, _N_USED, counters, rng), _N_USED, start, launch)
@@ -149,13 +171,6 @@ MERGE_SHAPES = {
 }
 
 
-def solution_who_merges() -> Dict[str, str]:
-    """The predictions, by the rule: one slice -> nobody; BLOCK_M <= 16 and few partial values -> last program."""
-    return {"A": "last program",    # 16 x 16 x 128 = 32768 values, BLOCK_M 16
-            "B": "merge programs",  # 64 x 16 x 128 = 131072 values: too many for one program
-            "C": "merge programs"}  # BLOCK_M 32: a tall tile merges faster spread
-
-
 def _why(shape: dict) -> str:
     """The numbers that decide a shape's merge mode."""
     values = shape["n_splits"] * shape["block_m"] * shape["v_head_dim"]
@@ -164,7 +179,7 @@ def _why(shape: dict) -> str:
             f"(FUSED_MAX_BLOCK_M = {schedule.FUSED_MAX_BLOCK_M})")
 
 
-@checks(solution_who_merges)
+@checks("one_launch", "who_merges")
 def check_who_merges(predictions) -> str:
     """Compare predictions (``{"A": "last program", ...}``, or a function returning them) with
     :func:`splitkv.schedule.merge_mode`."""

@@ -22,7 +22,7 @@ from typing import Callable
 
 from . import Unsolved, checks
 
-__all__ = ["StepModel", "solution_prefix_for_speedup", "check_prefix_for_speedup"]
+__all__ = ["StepModel", "check_prefix_for_speedup"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class StepModel:
         return self.time_us(prefix, 1) / self.time_us(prefix, world_size)
 
 
-def solution_prefix_for_speedup(model: StepModel, world_size: int, speedup: float = 1.0) -> float:
+def _expected_prefix_for_speedup(model: StepModel, world_size: int, speedup: float = 1.0) -> float:
     """Prefix tokens at which ``model.speedup(P, world_size) == speedup`` (``math.inf`` when it never gets there).
 
     With ``x = P b / B`` the one-GPU read time, ``a + x = s (a + x / W + c)``
@@ -97,7 +97,7 @@ def _call(fn: Callable[..., float], model: StepModel, world_size: int, speedup: 
                                 if speedup >= world_size else "")) from err
 
 
-@checks(solution_prefix_for_speedup)
+@checks("parallel", "prefix_for_speedup")
 def check_prefix_for_speedup(fn: Callable[..., float]) -> str:
     """Check ``fn(model, world_size, speedup=1.0)`` on fresh random models: break-even, targets, out of reach."""
     rng = random.Random()
@@ -107,7 +107,7 @@ def check_prefix_for_speedup(fn: Callable[..., float]) -> str:
                           comm_us=rng.uniform(2.0, 40.0), bytes_per_token=rng.choice([1024, 4096, 8192, 32768, 65536]))
         world = rng.choice([2, 3, 4, 8])
         for s in (1.0, rng.uniform(1.05, 0.97 * world)):
-            got, want = _call(fn, model, world, s), solution_prefix_for_speedup(model, world, s)
+            got, want = _call(fn, model, world, s), _expected_prefix_for_speedup(model, world, s)
             what = f"{model}, {world} GPUs, speedup {s:.3f}"
             if not isinstance(got, (int, float)) or math.isnan(got) or got < 0:
                 raise AssertionError(f"{what}: got {got!r}, expected a prefix length >= 0 in tokens")

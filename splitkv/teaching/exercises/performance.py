@@ -23,7 +23,7 @@ from splitkv.testing.problem import HeadShape
 
 from . import checks
 
-__all__ = ["solution_floor_us", "solution_gather_gap", "check_floor_us", "check_gather_gap", "recorded_rows"]
+__all__ = ["check_floor_us", "check_gather_gap", "recorded_rows"]
 
 
 def recorded_rows(path: Optional[Path] = None) -> Tuple[float, List[dict]]:
@@ -38,13 +38,13 @@ def recorded_rows(path: Optional[Path] = None) -> Tuple[float, List[dict]]:
     return result["read_bandwidth"], result["rows"]
 
 
-def solution_floor_us(shape: HeadShape, batch: int, prefix: int, bandwidth: float, kv_bytes: int = 2) -> float:
+def _expected_floor_us(shape: HeadShape, batch: int, prefix: int, bandwidth: float, kv_bytes: int = 2) -> float:
     """µs to read ``batch`` prefixes of ``prefix`` keys once: K and V of every KV head, at ``bandwidth`` bytes/s."""
     nbytes = batch * prefix * shape.num_kv_heads * 2 * shape.head_dim * kv_bytes  # a K and a V row per key and KV head
     return nbytes / bandwidth * 1e6
 
 
-def solution_gather_gap(row: dict) -> Tuple[float, float]:
+def _expected_gather_gap(row: dict) -> Tuple[float, float]:
     """splitkv's CUDA-graph time in a benchmark row over its gather floor, and the difference in µs."""
     ours, gather = row["impls"]["splitkv"]["graph"], row["gather_floor_us"]
     return ours / gather, ours - gather
@@ -70,7 +70,7 @@ def _random_shape(rng: random.Random) -> HeadShape:
     return HeadShape("random", kv * rng.choice([1, 2, 4, 8]), kv, rng.choice([64, 96, 128, 256]))
 
 
-@checks(solution_floor_us)
+@checks("performance", "floor_us")
 def check_floor_us(fn: Callable[..., float]) -> str:
     """Check ``fn(shape, batch, prefix, bandwidth, kv_bytes=2)``: the floor in µs, on recorded and random shapes."""
     rng = random.Random()
@@ -80,7 +80,7 @@ def check_floor_us(fn: Callable[..., float]) -> str:
     for _ in range(50):
         shape = _random_shape(rng)
         args = (shape, rng.randint(1, 64), rng.randint(1, 1 << 20), rng.uniform(1e12, 8e12), rng.choice([1, 2, 4]))
-        cases.append(args + (solution_floor_us(*args),))
+        cases.append(args + (_expected_floor_us(*args),))
     for shape, batch, prefix, bw, kv_bytes, want in cases:
         got = fn(shape, batch, prefix, bw, kv_bytes)
         if not isinstance(got, (int, float)) or not math.isfinite(got):
@@ -100,7 +100,7 @@ def _random_row(rng: random.Random) -> dict:
     return {"gather_floor_us": gather, "floor_us": gather * rng.uniform(0.5, 0.99), "impls": {"splitkv": splitkv}}
 
 
-@checks(solution_gather_gap)
+@checks("performance", "gather_gap")
 def check_gather_gap(fn: Callable[[dict], Tuple[float, float]]) -> str:
     """Check ``fn(row) -> (ratio, excess_us)`` on every recorded row and on random rows."""
     rng = random.Random()
@@ -110,7 +110,7 @@ def check_gather_gap(fn: Callable[[dict], Tuple[float, float]]) -> str:
         got = fn(row)
         if not (isinstance(got, tuple) and len(got) == 2):
             raise AssertionError(f"gather_gap returned {got!r}: expected a tuple (ratio, excess_us)")
-        (ratio, excess), (want_ratio, want_excess) = got, solution_gather_gap(row)
+        (ratio, excess), (want_ratio, want_excess) = got, _expected_gather_gap(row)
         label = f"row {row.get('model', 'random')} bs {row.get('batch', '-')} prefix {row.get('prefix', '-')}"
         if math.isclose(ratio, 1 / want_ratio, rel_tol=1e-9) and not math.isclose(want_ratio, 1.0, rel_tol=1e-9):
             raise AssertionError(f"{label}: the ratio is upside down: splitkv's time over the gather floor")

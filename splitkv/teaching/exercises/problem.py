@@ -1,10 +1,10 @@
 """Checkers for notebook 01: the bytes a verify step must read, and Little's law.
 
 * :func:`check_kv_bytes` judges ``kv_bytes(problem) -> int``, the prefix K and
-  V bytes of a :class:`splitkv.testing.VerifyProblem` (:func:`solution_kv_bytes`);
+  V bytes of a :class:`splitkv.testing.VerifyProblem`;
 * :func:`check_bytes_in_flight` judges ``bytes_in_flight(kv_bytes, time_us,
   latency_ns) -> float``, the bytes a kernel kept in flight on average, by
-  Little's law (:func:`solution_bytes_in_flight`).
+  Little's law.
 
 The checkers raise an ``AssertionError`` that says what is wrong.
 """
@@ -20,15 +20,15 @@ import torch
 from . import checks
 from ...testing import make_problem
 
-__all__ = ["solution_kv_bytes", "solution_bytes_in_flight", "check_kv_bytes", "check_bytes_in_flight"]
+__all__ = ["check_kv_bytes", "check_bytes_in_flight"]
 
 
-def solution_kv_bytes(p) -> int:
+def _expected_kv_bytes(p) -> int:
     """Every prefix key and value once: tokens x KV heads x (D + Dv) x bytes per element of the pool."""
     return sum(p.prefix_lens) * p.num_kv_heads * (p.head_dim + p.v_head_dim) * p.k_buffer.element_size()
 
 
-def solution_bytes_in_flight(kv_bytes: float, time_us: float, latency_ns: float) -> float:
+def _expected_bytes_in_flight(kv_bytes: float, time_us: float, latency_ns: float) -> float:
     """Little's law: bytes in flight = bandwidth x latency, with the bandwidth the kernel achieved."""
     return kv_bytes / (time_us * 1e-6) * (latency_ns * 1e-9)
 
@@ -52,7 +52,7 @@ def _kv_hint(p, got: int, want: int) -> str:
     return "bytes = prefix tokens x H_kv x (D + Dv) x bytes per element of the pool"
 
 
-@checks(solution_kv_bytes)
+@checks("problem", "kv_bytes")
 def check_kv_bytes(kv_bytes_fn: Callable, seed: int = 0) -> str:
     """Check a learner's ``kv_bytes(problem)`` on random problems (ragged prefixes, D != Dv, fp8 pools)."""
     rng = random.Random(seed)
@@ -64,7 +64,7 @@ def check_kv_bytes(kv_bytes_fn: Callable, seed: int = 0) -> str:
         prefix = [rng.randint(0, 40) for _ in range(rng.randint(1, 4))]
         drafts = [rng.randint(1, 5) for _ in prefix]
         p = make_problem(prefix, drafts, seed=rng.randrange(1 << 30), **shape)
-        want = solution_kv_bytes(p)
+        want = _expected_kv_bytes(p)
         got = kv_bytes_fn(p)
         if got != want:
             pool = str(p.k_buffer.dtype).replace("torch.", "")
@@ -74,14 +74,14 @@ def check_kv_bytes(kv_bytes_fn: Callable, seed: int = 0) -> str:
     return f"passed: kv_bytes is right on {len(shapes)} random problems (ragged, D != Dv, fp8 pool)"
 
 
-@checks(solution_bytes_in_flight)
+@checks("problem", "bytes_in_flight")
 def check_bytes_in_flight(fn: Callable, seed: int = 0) -> str:
     """Check a learner's ``bytes_in_flight(kv_bytes, time_us, latency_ns)`` on random and recorded values."""
     rng = random.Random(seed)
     cases = [(rng.uniform(1e6, 1e9), rng.uniform(5, 5000), rng.uniform(300, 900)) for _ in range(5)]
     cases.append((67_108_864, 36.0, 600.0))  # Llama-3-8B, batch 1, 16k prefix, bf16
     for kv, t_us, lat_ns in cases:
-        want = solution_bytes_in_flight(kv, t_us, lat_ns)
+        want = _expected_bytes_in_flight(kv, t_us, lat_ns)
         got = float(fn(kv, t_us, lat_ns))
         if math.isclose(got, want, rel_tol=1e-9):
             continue

@@ -2,14 +2,12 @@
 
 * :func:`check_tile_step` judges a ``@triton.jit`` function
   ``tile_step(m_i, l_i, acc, s, v) -> (m_i, l_i, acc)``: one online-softmax
-  update over a tile of base-2 scores, as the notebook's slice kernel calls it
-  (:func:`solution_tile_step`);
+  update over a tile of base-2 scores, as the notebook's slice kernel calls it;
 * :func:`check_slicing` judges ``slicing(prefix_len, n_splits, block_n,
   min_split) -> (split_len, n_used)``, the kernel's rule for cutting a prefix
-  (:func:`solution_slicing`, the same as :func:`splitkv.schedule.slicing`);
+  (the same rule as :func:`splitkv.schedule.slicing`);
 * :func:`check_latency_fit` judges ``fit_latency(n, t) -> (a, b)``, the least-
-  squares fit of ``t = a + b / n`` to a split-count sweep
-  (:func:`solution_fit_latency`).
+  squares fit of ``t = a + b / n`` to a split-count sweep.
 
 Each runs the learner's function on fresh inputs and the tricky cases, and
 raises an ``AssertionError`` that names what is wrong and hints at the fix.
@@ -30,28 +28,10 @@ from ...schedule import cdiv
 from ...schedule import slicing as _kernel_slicing
 from ...testing import relative_error
 
-__all__ = ["solution_tile_step", "solution_slicing", "solution_fit_latency",
-           "check_tile_step", "check_slicing", "check_latency_fit"]
+__all__ = ["check_tile_step", "check_slicing", "check_latency_fit"]
 
 
 # --- the online-softmax step, in Triton --------------------------------------------------------
-
-@triton.jit
-def solution_tile_step(m_i, l_i, acc, s, v):
-    """Fold a tile of base-2 scores ``s [BLOCK_M, BLOCK_N]`` (``-inf``: hidden) and values ``v`` in.
-
-    ``m_i`` is the running row maximum, ``l_i`` the running sum of
-    ``2^(s - m_i)``, ``acc`` the unnormalised output; when the maximum grows,
-    both are rescaled by ``alpha = 2^(m_old - m_new)``.
-    """
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
-    alpha = tl.exp2(m_i - shift)
-    p = tl.exp2(s - shift[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
-
 
 @triton.jit
 def _step_probe(S, V, M_Out, L_Out, Acc_Out, n_tiles, STEP: tl.constexpr,
@@ -74,11 +54,11 @@ def _step_probe(S, V, M_Out, L_Out, Acc_Out, n_tiles, STEP: tl.constexpr,
 
 
 _ROWS, _KEYS, _DV = 16, 16, 16
-_RESCALE_L = ("l_i: multiply the old sum by alpha = tl.exp2(m_i - shift), then add the row sums of "
-              "p = tl.exp2(s - shift[:, None]); the scores are in base 2, so exp2, not exp")
-_RESCALE_ACC = "acc: multiply the old acc by alpha[:, None], then add tl.dot(p.to(v.dtype), v)"
+_RESCALE_L = ("l_i: rescale the old sum by alpha = 2^(m_old - m_new), then add the row sums of the new weights "
+              "2^(s - m_new); the scores are in base 2, so exp2, not exp")
+_RESCALE_ACC = "acc: rescale the old acc by alpha, row by row, then add the new weights times v (a tl.dot)"
 _EMPTY = ("a row that has seen no visible key keeps m = -inf, and 2^(-inf - (-inf)) is NaN: "
-          "shift by 0 there (shift = tl.where(m_new == float('-inf'), 0.0, m_new))")
+          "shift by 0 where the new maximum is -inf")
 _SHIFT = "exponentiate s - m_new (2^s alone overflows float32 for s > 128)"
 
 
@@ -119,7 +99,7 @@ def _run_step(step_fn, s: torch.Tensor, v: torch.Tensor):
     return m.cpu().double(), l.cpu().double(), acc.cpu().double()
 
 
-@checks(solution_tile_step)
+@checks("kernels", "tile_step")
 def check_tile_step(step_fn, seed: int = 0) -> str:
     """Check a learner's ``@triton.jit`` ``tile_step(m_i, l_i, acc, s, v)`` against float64.
 
@@ -132,7 +112,7 @@ def check_tile_step(step_fn, seed: int = 0) -> str:
         AssertionError: naming the first case where the state is wrong.
     """
     if is_stub(step_fn):
-        raise Unsolved("write tile_step here: replace the todo(...) line by your code")
+        raise Unsolved("write tile_step in your_kernels.py: replace its todo(...) line by your code")
     ln2 = math.log(2.0)
     cases = _step_cases(seed)
     for desc, hint, s, v in cases:
@@ -175,13 +155,6 @@ def check_tile_step(step_fn, seed: int = 0) -> str:
 
 # --- the slicing rule ----------------------------------------------------------------------------
 
-def solution_slicing(prefix_len: int, n_splits: int, block_n: int, min_split: int) -> Tuple[int, int]:
-    """``(split_len, n_used)``: slices of whole key tiles, at least ``min_split`` keys, at least one slice."""
-    split_len = max(cdiv(cdiv(prefix_len, n_splits), block_n) * block_n, min_split)
-    n_used = max(1, cdiv(prefix_len, split_len))
-    return split_len, n_used
-
-
 _TILES = "round the even share cdiv(P, n_splits) up to whole BLOCK_N tiles, then take at least min_split"
 _USED = "n_used = cdiv(P, split_len): the slices that get keys; the rest of the grid's slices would be empty"
 _ONE = "an empty prefix still gets one program (it does the draft block): n_used = max(1, ...)"
@@ -204,7 +177,7 @@ def _slicing_hint(P: int, min_split: int, got: Tuple[int, int], want: Tuple[int,
     return _TILES
 
 
-@checks(solution_slicing)
+@checks("splitting", "slicing")
 def check_slicing(slicing_fn: Callable[[int, int, int, int], Tuple[int, int]]) -> str:
     """Check a learner's ``slicing(prefix_len, n_splits, block_n, min_split) -> (split_len, n_used)``.
 
@@ -235,7 +208,7 @@ def check_slicing(slicing_fn: Callable[[int, int, int, int], Tuple[int, int]]) -
 
 # --- the latency model ---------------------------------------------------------------------------
 
-def solution_fit_latency(n: torch.Tensor, t: torch.Tensor) -> Tuple[float, float]:
+def _expected_fit_latency(n: torch.Tensor, t: torch.Tensor) -> Tuple[float, float]:
     """Least-squares ``(a, b)`` of ``t = a + b / n``: a straight line in ``x = 1 / n``."""
     n, t = torch.as_tensor(n, dtype=torch.float64), torch.as_tensor(t, dtype=torch.float64)
     design = torch.stack([torch.ones_like(n), 1.0 / n], dim=1)
@@ -247,7 +220,7 @@ _LINE = "t = a + b / n is a straight line in x = 1 / n: fit t against x, with a 
 _LSQ = "use every point: least squares over all (1 / n, t), e.g. torch.linalg.lstsq or numpy.polyfit(1 / n, t, 1)"
 
 
-@checks(solution_fit_latency)
+@checks("splitting", "fit_latency")
 def check_latency_fit(fit_fn: Callable[[torch.Tensor, torch.Tensor], Tuple[float, float]],
                       sweep: Sequence[Tuple[float, float]] = (), seed: int = 0) -> str:
     """Check a learner's ``fit_latency(n, t) -> (a, b)`` (float64 tensors in, two floats out).
@@ -271,7 +244,7 @@ def check_latency_fit(fit_fn: Callable[[torch.Tensor, torch.Tensor], Tuple[float
         cases.append(("the measured sweep", _LSQ, torch.tensor(ns, dtype=torch.float64),
                       torch.tensor(ts, dtype=torch.float64)))
     for desc, hint, n, t in cases:
-        want = solution_fit_latency(n, t)
+        want = _expected_fit_latency(n, t)
         try:
             got = fit_fn(n.clone(), t.clone())
         except Unsolved:  # a stub: the exercise waits
