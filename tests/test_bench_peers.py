@@ -747,6 +747,11 @@ def test_pack_and_install_jit_cache(fake_flashinfer_dirs, tmp_path):
     aot2 = tmp_path / "aot2"
     assert sorted(cuda_peers.install_jit_cache(parts[1][0], str(aot2), verify=verify)) == ["mod_small", "mod_tiny"]
     assert not (aot2 / "mod_mid" / "mod_mid.so").exists() and (aot2 / "mod_tiny" / "mod_tiny.so").exists()
+    # Libraries built in the JIT folder are copied to the AOT folder where missing there.
+    _fake_build(_spec("mod_new"), 10)
+    assert cuda_peers.adopt_jit_builds(str(env.FLASHINFER_JIT_DIR), str(env.FLASHINFER_AOT_DIR)) == ["mod_new"]
+    assert _spec("mod_new").is_aot and cuda_peers.adopt_jit_builds(str(env.FLASHINFER_JIT_DIR),
+                                                                   str(env.FLASHINFER_AOT_DIR)) == []
     # A foreign member is passed over.
     evil = tmp_path / "evil.tar.gz"
     with tarfile.open(evil, "w:gz") as tar:

@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import subprocess
 import tarfile
 import time
@@ -67,6 +68,7 @@ __all__ = [
     "CudaPeer",
     "FlashInferPaged",
     "append_drafts",
+    "adopt_jit_builds",
     "build_flashinfer_specs",
     "build_peer",
     "drafts_as_stored",
@@ -540,6 +542,23 @@ def jit_libraries(*folders: str) -> Dict[str, str]:
     return found
 
 
+def adopt_jit_builds(jit_dir: str, aot_dir: str, names: Optional[List[str]] = None) -> List[str]:
+    """Copy the libraries built in FlashInfer's JIT folder (``names``, default all) into its AOT folder, where
+    missing there; returns the names copied.
+
+    FlashInfer reruns ninja in a module's own folder before loading a JIT build, and ninja rebuilds every object
+    whose dependency record is not in that folder's log: after one ninja call for many modules (or a reinstall of
+    the package), that is all of them. From the AOT folder a module is loaded as it is."""
+    copied = []
+    for name, lib in jit_libraries(jit_dir).items():
+        target = os.path.join(aot_dir, name, name + ".so")
+        if (names is None or name in names) and not os.path.isfile(target):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copyfile(lib, target)
+            copied.append(name)
+    return copied
+
+
 def _part_path(path: str, i: int) -> str:
     if i == 0:
         return path
@@ -638,6 +657,7 @@ def build_flashinfer_specs(specs: List[object], log_path: Optional[str] = None, 
         finally:
             if proc.poll() is None:
                 proc.kill()
-    built = [spec.name for spec in specs if spec.is_compiled]
+    built = [spec.name for spec in specs if os.path.isfile(spec.jit_library_path) or spec.is_aot]
+    adopt_jit_builds(str(jit_dir), str(env.FLASHINFER_AOT_DIR), names=built)
     return dict(built=built, failed=[spec.name for spec in specs if spec.name not in built],
                 seconds=round(time.perf_counter() - t0, 1), returncode=rc, log=log_path)

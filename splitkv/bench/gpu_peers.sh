@@ -13,7 +13,8 @@
 # Steps, each under its own timeout: install the wheels into /tmp/site; install the prebuilt modules; build
 # every missing FlashInfer module in one parallel ninja call while the Triton kernels compile, then run every
 # probe against the float64 oracle (--compile-only); pack the built modules to $OUT; time the rows (JSON after
-# every row); regenerate the .md and plot from the JSON (also a partial one); print a summary.
+# every row; FlashInfer's modules from the AOT folder only); regenerate the .md and plot from the JSON (also a
+# partial one); print a summary.
 # Everything comes back through $OUT: peers_<gpu>_<part>.json / .md / .png, fijit*.tar.gz, peers_log.txt.
 set -u
 T0=$(date +%s)
@@ -55,6 +56,25 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer-ws   # JIT builds (objects too); the libraries come back packed
 export FLASHINFER_CUDA_ARCH_LIST=9.0a                # one target: sm_90a (fa3, wgmma), no other arch built
 export FLASHINFER_LOGGING_LEVEL=${FLASHINFER_LOGGING_LEVEL:-warning}
+# FlashInfer takes the toolkit from CUDA_HOME, else from `which nvcc`'s grandparent, and links every module with
+# -L$CUDA_HOME/lib64 -lcudart -lcuda: find the real toolkit (nvcc may be a wrapper script), and give the linker
+# libcudart.so and libcuda.so (the driver's libcuda.so.1) in a folder of their own, whatever the layout.
+NVCC=$(command -v nvcc || true)
+if [ -z "${CUDA_HOME:-}" ] && [ -n "$NVCC" ]; then
+    for d in "$(sed -n 's#^exec \(/[^ ]*\)/bin/nvcc.*#\1#p' "$NVCC" 2>/dev/null | head -1)" \
+             "$(dirname "$(dirname "$(readlink -f "$NVCC")")")" /usr/local/cuda; do
+        if [ -n "$d" ] && [ -x "$d/bin/nvcc" ]; then export CUDA_HOME=$d; break; fi
+    done
+fi
+mkdir -p /tmp/cudalink
+CUDART=$(find "${CUDA_HOME:-/nonexistent}" -name 'libcudart.so*' 2>/dev/null | sort | head -1)
+LIBCUDA=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
+[ -z "$LIBCUDA" ] && LIBCUDA=$(find ${LD_LIBRARY_PATH//:/ } /usr/local/nvidia /usr/lib/x86_64-linux-gnu /usr/lib64 \
+                                   -name 'libcuda.so.1' 2>/dev/null | head -1)
+[ -n "$CUDART" ] && ln -sf "$CUDART" /tmp/cudalink/libcudart.so
+[ -n "$LIBCUDA" ] && ln -sf "$LIBCUDA" /tmp/cudalink/libcuda.so
+export FLASHINFER_EXTRA_LDFLAGS="-L/tmp/cudalink ${FLASHINFER_EXTRA_LDFLAGS:-}"
+echo "== nvcc $NVCC, CUDA_HOME ${CUDA_HOME:-unset}, libcudart ${CUDART:-not found}, libcuda ${LIBCUDA:-not found}"
 
 step install 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl \
@@ -62,7 +82,8 @@ step install 120 python3 -m pip install -q --no-index --no-deps --no-compile --n
 shopt -s nullglob
 JIT_IN=(.flashinfer/fijit*.tar.gz)
 shopt -u nullglob
-[ ${#JIT_IN[@]} -gt 0 ] && step install-jit 60 python3 -m splitkv.bench.peers_sweep --install-jit "${JIT_IN[@]}"
+# The carried modules, and those an earlier call built on this machine (a reinstall empties the AOT folder).
+step install-jit 60 python3 -m splitkv.bench.peers_sweep --install-jit "${JIT_IN[@]}"
 
 TAG=$(python3 -c "import torch; from splitkv.bench.timing import gpu_tag; print(gpu_tag(torch.cuda.get_device_name()))" \
       2>/dev/null || echo gpu)
@@ -71,7 +92,10 @@ JSON="$OUT/peers_${TAG}_${PART}.json"
 step compile "${PEERS_COMPILE_S:-400}" python3 -m splitkv.bench.peers_sweep --peers "$PEERS" "${ROWS[@]}" \
     --compile-only --jit-log "$OUT/ninja_log.txt"
 RESERVE=25 step pack-jit 60 python3 -m splitkv.bench.peers_sweep --pack-jit "$OUT/fijit.tar.gz"
-step time 600 python3 -m splitkv.bench --peers "$PEERS" "${ROWS[@]}" --out "$JSON" --figures "$OUT"
+# FLASHINFER_DISABLE_JIT: a module the compile step did not finish fails its peer at once (recorded) instead of
+# starting nvcc inside the timing run; the built ones load from the AOT folder.
+step time 600 env FLASHINFER_DISABLE_JIT=1 python3 -m splitkv.bench --peers "$PEERS" "${ROWS[@]}" --out "$JSON" \
+    --figures "$OUT"
 if [ -f "$JSON" ]; then  # also a run cut short: the JSON holds every finished row
     RESERVE=5 step report 60 python3 -m splitkv.bench.peers_sweep --report "$JSON" --figures "$OUT" > "$OUT/report.txt"
     sed -n '/^Measured on/,$p' "$OUT/report.txt"

@@ -1107,10 +1107,12 @@ def parser(prog: str = "python -m splitkv.bench.peers_sweep") -> argparse.Argume
     ap.add_argument("--jit-log", default=None, metavar="PATH", help="with --compile-only: ninja's output here")
     ap.add_argument("--install-jit", nargs="*", default=None, metavar="ARCHIVE",
                     help="unpack FlashInfer module archives (of --pack-jit) into FlashInfer's AOT folder, so that "
-                         "those modules load without nvcc; missing files are passed over; then exit")
+                         "those modules load without nvcc (missing files are passed over), and copy the modules "
+                         "built in its JIT folder there too; then exit")
     ap.add_argument("--pack-jit", default=None, metavar="PATH",
                     help="write FlashInfer's built modules (JIT and AOT folders) to PATH (.tar.gz; parts of at "
-                         "most --pack-max-mib each: PATH, then -2, -3 ...) and exit")
+                         "most --pack-max-mib each: PATH, then -2, -3 ...), copy the JIT-built ones into the AOT "
+                         "folder (so they load without ninja), and exit")
     ap.add_argument("--pack-max-mib", type=float, default=15.0, metavar="MIB",
                     help="largest uncompressed part of --pack-jit (default 15: a file the GPU call brings back)")
     ap.add_argument("--report", default=None, metavar="JSON",
@@ -1163,11 +1165,16 @@ def main(argv=None, prog: str = "python -m splitkv.bench.peers_sweep"):
                 except ImportError:
                     verify = None
                 names += cuda_peers.install_jit_cache(archive, verify=verify)
-        print(f"installed {len(names)} prebuilt FlashInfer modules" + (f": {', '.join(names)}" if names else ""))
+        from flashinfer.jit import env
+
+        adopted = cuda_peers.adopt_jit_builds(str(env.FLASHINFER_JIT_DIR), str(env.FLASHINFER_AOT_DIR))
+        print(f"installed {len(names)} prebuilt FlashInfer modules" + (f": {', '.join(names)}" if names else "")
+              + (f"; {len(adopted)} built here before: {', '.join(adopted)}" if adopted else ""))
         return 0
     if args.pack_jit:
         from flashinfer.jit import env
 
+        cuda_peers.adopt_jit_builds(str(env.FLASHINFER_JIT_DIR), str(env.FLASHINFER_AOT_DIR))  # load without ninja
         parts = cuda_peers.pack_jit_cache(args.pack_jit, str(env.FLASHINFER_JIT_DIR), str(env.FLASHINFER_AOT_DIR),
                                           max_bytes=int(args.pack_max_mib * 2**20))
         for path, names in parts:
