@@ -4,6 +4,7 @@
 #
 #   bash splitkv/bench/gpu_peers.sh                          # the quick rows (--quick)
 #   bash splitkv/bench/gpu_peers.sh --models llama3-8b       # a part of the full sweep (any row selection)
+#   bash splitkv/bench/gpu_peers.sh --compile-only           # build (and pack) every row's modules, time nothing
 #
 # Run from the repository root. It needs, in the checkout (ignored by git, so named in the call's carry):
 #   .whl/        flashinfer_python-0.6.13, apache_tvm_ffi-0.1.15.post2 (cp312) and sglang-0.5.10.post1 wheels
@@ -25,10 +26,14 @@ OUT=${OUT:-/tmp/peers_out}
 mkdir -p "$OUT"
 LOG="$OUT/peers_log.txt"
 exec > >(tee -a "$LOG") 2>&1
-ROWS=("$@")
-[ ${#ROWS[@]} -eq 0 ] && ROWS=(--quick)
+COMPILE_ONLY=0
+ROWS=()
+for a in "$@"; do
+    if [ "$a" = "--compile-only" ]; then COMPILE_ONLY=1; else ROWS+=("$a"); fi
+done
+[ ${#ROWS[@]} -eq 0 ] && [ $COMPILE_ONLY = 0 ] && ROWS=(--quick)
 PART=$(printf '%s' "${ROWS[*]}" | tr -c 'A-Za-z0-9.' '_' | sed 's/__*/_/g; s/^_//; s/_$//')
-PART=${PART:-quick}
+PART=${PART:-all}
 STATUS=""
 
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
@@ -69,7 +74,7 @@ fi
 mkdir -p /tmp/cudalink
 CUDART=$(find "${CUDA_HOME:-/nonexistent}" -name 'libcudart.so*' 2>/dev/null | sort | head -1)
 LIBCUDA=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
-[ -z "$LIBCUDA" ] && LIBCUDA=$(find ${LD_LIBRARY_PATH//:/ } /usr/local/nvidia /usr/lib/x86_64-linux-gnu /usr/lib64 \
+[ -z "$LIBCUDA" ] && LIBCUDA=$(find ${LD_LIBRARY_PATH:+${LD_LIBRARY_PATH//:/ }} /usr/local/nvidia /usr/lib/x86_64-linux-gnu /usr/lib64 \
                                    -name 'libcuda.so.1' 2>/dev/null | head -1)
 [ -n "$CUDART" ] && ln -sf "$CUDART" /tmp/cudalink/libcudart.so
 [ -n "$LIBCUDA" ] && ln -sf "$LIBCUDA" /tmp/cudalink/libcuda.so
@@ -89,12 +94,15 @@ TAG=$(python3 -c "import torch; from splitkv.bench.timing import gpu_tag; print(
       2>/dev/null || echo gpu)
 JSON="$OUT/peers_${TAG}_${PART}.json"
 
-step compile "${PEERS_COMPILE_S:-400}" python3 -m splitkv.bench.peers_sweep --peers "$PEERS" "${ROWS[@]}" \
+CAP=${PEERS_COMPILE_S:-400}
+[ $COMPILE_ONLY = 1 ] && CAP=600
+step compile "$CAP" python3 -m splitkv.bench.peers_sweep --peers "$PEERS" "${ROWS[@]}" \
     --compile-only --jit-log "$OUT/ninja_log.txt"
 RESERVE=25 step pack-jit 60 python3 -m splitkv.bench.peers_sweep --pack-jit "$OUT/fijit.tar.gz"
+[ $COMPILE_ONLY = 1 ] && STATUS+="  time: not run (--compile-only)"$'\n' && JSON=/nonexistent
 # FLASHINFER_DISABLE_JIT: a module the compile step did not finish fails its peer at once (recorded) instead of
 # starting nvcc inside the timing run; the built ones load from the AOT folder.
-step time 600 env FLASHINFER_DISABLE_JIT=1 python3 -m splitkv.bench --peers "$PEERS" "${ROWS[@]}" --out "$JSON" \
+[ $COMPILE_ONLY = 0 ] && step time 600 env FLASHINFER_DISABLE_JIT=1 python3 -m splitkv.bench --peers "$PEERS" "${ROWS[@]}" --out "$JSON" \
     --figures "$OUT"
 if [ -f "$JSON" ]; then  # also a run cut short: the JSON holds every finished row
     RESERVE=5 step report 60 python3 -m splitkv.bench.peers_sweep --report "$JSON" --figures "$OUT" > "$OUT/report.txt"
@@ -106,7 +114,7 @@ rm -f "$OUT/ninja_log.txt" "$OUT/report.txt"
 
 echo "================ summary ($(( $(date +%s) - T0 )) s of $BUDGET) ================"
 printf '%s' "$STATUS"
-python3 - "$JSON" <<'EOF'
+[ $COMPILE_ONLY = 0 ] && python3 - "$JSON" <<'EOF'
 import json, sys
 try:
     r = json.load(open(sys.argv[1]))
@@ -121,3 +129,4 @@ for b in bad:
     print("  ", *b)
 EOF
 ls -la "$OUT"
+sleep 1  # let tee write the last lines
