@@ -79,7 +79,16 @@ LIBCUDA=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
 [ -n "$CUDART" ] && ln -sf "$CUDART" /tmp/cudalink/libcudart.so
 [ -n "$LIBCUDA" ] && ln -sf "$LIBCUDA" /tmp/cudalink/libcuda.so
 export FLASHINFER_EXTRA_LDFLAGS="-L/tmp/cudalink ${FLASHINFER_EXTRA_LDFLAGS:-}"
-echo "== nvcc $NVCC, CUDA_HOME ${CUDA_HOME:-unset}, libcudart ${CUDART:-not found}, libcuda ${LIBCUDA:-not found}"
+# fa3's templates include cutlass' tensor_fill.h, which includes curand_kernel.h: a toolkit without cuRAND (a
+# pip-style one) gets the headers of the nvidia-curand package torch depends on (searched after the toolkit's own).
+CURAND_H=""
+if [ ! -f "${CUDA_HOME:-/nonexistent}/include/curand_kernel.h" ]; then
+    CURAND_H=$(find $(python3 -c 'import nvidia; print(*nvidia.__path__)' 2>/dev/null) /usr/local/cuda* /usr/include \
+                    -name curand_kernel.h 2>/dev/null | head -1)
+    [ -n "$CURAND_H" ] && export FLASHINFER_EXTRA_CUDAFLAGS="-isystem $(dirname "$CURAND_H") ${FLASHINFER_EXTRA_CUDAFLAGS:-}"
+fi
+echo "== nvcc $NVCC, CUDA_HOME ${CUDA_HOME:-unset}, libcudart ${CUDART:-not found}, libcuda ${LIBCUDA:-not found}," \
+     "curand_kernel.h ${CURAND_H:-in the toolkit or not found}"
 
 step install 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl \
