@@ -752,6 +752,23 @@ def test_pack_and_install_jit_cache(fake_flashinfer_dirs, tmp_path):
     assert cuda_peers.adopt_jit_builds(str(env.FLASHINFER_JIT_DIR), str(env.FLASHINFER_AOT_DIR)) == ["mod_new"]
     assert _spec("mod_new").is_aot and cuda_peers.adopt_jit_builds(str(env.FLASHINFER_JIT_DIR),
                                                                    str(env.FLASHINFER_AOT_DIR)) == []
+    # A library that calls the driver without needing libcuda (linked against a stand-in) is refused.
+    nm = "                 U cuTensorMapEncodeTiled\n                 U memcpy@GLIBC_2.14\n"
+
+    def fake_run(cmd, **kw):
+        out = nm if cmd[0] == "nm" else (" (NEEDED) Shared library: [libcuda.so.1]\n" if "good" in cmd[-1] else "")
+        return type("R", (), {"stdout": out})()
+
+    import subprocess
+
+    real_run = subprocess.run
+    subprocess.run = fake_run
+    try:
+        with pytest.raises(OSError, match="cuTensorMapEncodeTiled"):
+            cuda_peers.check_driver_link("/x/bad.so")
+        cuda_peers.check_driver_link("/x/good.so")
+    finally:
+        subprocess.run = real_run
     # A foreign member is passed over.
     evil = tmp_path / "evil.tar.gz"
     with tarfile.open(evil, "w:gz") as tar:

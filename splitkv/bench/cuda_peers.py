@@ -71,6 +71,7 @@ __all__ = [
     "adopt_jit_builds",
     "build_flashinfer_specs",
     "build_peer",
+    "check_driver_link",
     "drafts_as_stored",
     "collecting_flashinfer_specs",
     "flashinfer_layout",
@@ -591,6 +592,23 @@ def pack_jit_cache(path: str, *folders: str, max_bytes: Optional[int] = None) ->
                 tar.add(libs[name], arcname=f"{name}/{name}.so")
         out.append((archive, names))
     return out
+
+
+def check_driver_link(path: str) -> None:
+    """Raise where the library ``path`` calls the CUDA driver (undefined ``cu*`` symbols, e.g. XQA's
+    ``cuTensorMapEncodeTiled``) but does not name ``libcuda.so.1`` among its needed libraries: built against a
+    stand-in, it would load and then fail at its first driver call. Passes where ``nm`` / ``readelf`` are
+    missing."""
+    try:
+        undefined = subprocess.run(["nm", "-D", "--undefined-only", path], capture_output=True, text=True,
+                                   check=True).stdout
+        dynamic = subprocess.run(["readelf", "-d", path], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return
+    driver = sorted({w for line in undefined.splitlines() for w in line.split()[-1:]
+                     if w[:2] == "cu" and w[2:3].isupper()})
+    if driver and "[libcuda.so" not in dynamic:
+        raise OSError(f"calls the CUDA driver ({', '.join(driver[:3])}) without needing libcuda.so.1")
 
 
 def install_jit_cache(archive: str, aot_dir: Optional[str] = None,

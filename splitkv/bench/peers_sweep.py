@@ -1161,9 +1161,11 @@ def main(argv=None, prog: str = "python -m splitkv.bench.peers_sweep"):
                 try:
                     import tvm_ffi
 
-                    verify = tvm_ffi.load_module
+                    def verify(path):
+                        cuda_peers.check_driver_link(path)
+                        tvm_ffi.load_module(path)
                 except ImportError:
-                    verify = None
+                    verify = cuda_peers.check_driver_link
                 names += cuda_peers.install_jit_cache(archive, verify=verify)
         from flashinfer.jit import env
 
