@@ -38,14 +38,24 @@ def test_registry_and_groups():
 
 def test_rows():
     rows = peers_sweep.sweep_rows()
-    assert len(rows) == len(set(rows)) == 144
+    assert len(rows) == len(set(rows)) == 145
     assert {r.model for r in rows} == {"llama3-8b", "qwen3-32b", "qwen3-next", "deepseek-v3"}
     assert {r.kv_dtype for r in rows} == {"bfloat16", "float8_e4m3fn"}
     assert {r.page_size for r in rows} == {16, 64}
     assert {(r.mask, r.drafts) for r in rows} == {("causal", 4), ("tree", 8)}
     assert {r.heads for r in rows if r.mla} == {16, 128}
     assert all(3 * r.pool_bytes() <= peers_sweep.MEMORY_BUDGET for r in rows)
-    assert set(peers_sweep.QUICK_ROWS) <= set(rows) and len(peers_sweep.QUICK_ROWS) == 6
+    assert set(peers_sweep.QUICK_ROWS) <= set(rows) and len(peers_sweep.QUICK_ROWS) == 8
+    # XQA's speculative mode with the tree's bit mask on both pools, and causal, among the quick rows
+    quick_xqa = {(r.mask, r.kv_dtype) for r in peers_sweep.QUICK_ROWS
+                 if not r.mla and peers_sweep.sweep_skip("flashinfer_xqa", r) is None}
+    assert quick_xqa == {("causal", "bfloat16"), ("tree", "bfloat16"), ("tree", "float8_e4m3fn")}
+    # the ThunderMLA comparison's shape: 16 heads, 4 drafts, 4 ragged requests
+    thunder = [r for r in rows if r.lens]
+    assert thunder == [peers_sweep.thunder_mla_row()] and thunder[0] in peers_sweep.QUICK_ROWS
+    t = thunder[0]
+    assert (t.model, t.heads, t.drafts, t.mask, t.batch, t.prefix) == ("deepseek-v3", 16, 4, "causal", 4, 45118)
+    assert t.prefix_lens == [4641, 45118, 1730, 1696] and t.label() == "deepseek-v3 h16 bs4 4641/45118/1730/1696"
     assert [r.model for r in peers_sweep.sweep_rows(models=["qwen3-next"], prefixes=[65536])] == ["qwen3-next"] * 18
 
 
@@ -62,9 +72,9 @@ def test_command_line_list_and_dispatch(capsys):
     assert run.main(["--peers", "flashinfer,sglang", "--quick", "--list"]) == 0
     out = capsys.readouterr().out
     assert "llama3-8b bs8 64k" in out and "fp8 p16 causal4" in out and "deepseek-v3 h128 bs8 4k" in out
-    assert out.strip().endswith("6 rows")
+    assert out.strip().endswith("8 rows") and "h16 bs4 4641/45118/1730/1696" in out
     assert peers_sweep.main(["--peers=all", "--models", "deepseek-v3", "--list"]) == 0
-    assert capsys.readouterr().out.strip().endswith("18 rows")
+    assert capsys.readouterr().out.strip().endswith("19 rows")
     with pytest.raises(SystemExit):
         run.main(["--peers", "nope", "--list"])
     # Without --peers the benchmark's own parser is untouched.
@@ -521,3 +531,325 @@ def test_sweep_end_to_end_on_the_cpu(monkeypatch, tmp_path, capsys):
     peers_sweep._write(saved, out, None)
     assert os.path.isfile(out[:-5] + ".md") and os.path.isfile(out[:-5] + ".png")
     assert "[  2/2] tiny bs2 0k fp8 p64 causal4" in capsys.readouterr().out
+
+
+# ---- Ragged rows (the ThunderMLA shape) --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mask", ["causal", "tree"])
+def test_ragged_row_draws_its_prefixes(monkeypatch, mask):
+    """A row with ragged ``lens`` draws exactly those prefixes; its layout, mask and oracle agree."""
+    monkeypatch.setitem(MODEL_SHAPES, "tiny", HeadShape("tiny", 4, 2, 64))
+    lens = (21, 70, 3, 16)
+    row = Row("tiny", 4, len(lens), max(lens), 4, mask, "float32", 16, lens=lens)
+    assert row.prefix_lens == list(lens) and row.pool_bytes() == int(sum(lens) * 1.25) * 2 * 128 * 2
+    p = peers_sweep.draw_problem(row, DEVICE, dtype=torch.float32)
+    assert p.prefix_lens == list(lens) and p.extend_lens == [4] * 4
+    assert p.kv_indptr.tolist() == [0, 21, 91, 94, 110] and p.qo_indptr.tolist() == [0, 4, 8, 12, 16]
+    assert p.kv_indices.unique().numel() == sum(lens) and p.k_buffer.shape[0] >= int(sum(lens) * 1.25)
+    if mask == "tree":
+        starts = p.mask_indptr.tolist()
+        assert starts == [0] + torch.cumsum(torch.tensor([4 * (n + 4) for n in lens]), 0).tolist()
+        for b, n in enumerate(lens):
+            block = p.custom_mask[starts[b]: starts[b + 1]].view(4, n + 4).cpu()
+            assert block[:, :n].all() and block[:, n:].diagonal().all() and not block[:, n:].triu(1).any()
+        words = cuda_peers.xqa_spec_mask(p).view(torch.int32)[..., 0].long()
+        for b, n in enumerate(lens):
+            block = p.custom_mask[starts[b]: starts[b + 1]].view(4, n + 4)[:, n:].cpu()
+            assert [[(int(w) >> j) & 1 for j in range(4)] for w in words[b]] == block.long().tolist()
+    fl = cuda_peers.flashinfer_layout(p, 16)
+    assert fl.seq_lens.tolist() == [n + 4 for n in lens]
+    assert torch.equal(_token_view(fl, fl.k_pages), _expected_keys(p, p.k_extend))
+    right = CudaPeer("fake_right", "fake", "the oracle itself", paged=True, build=_oracle_peer())
+    monkeypatch.setitem(PEERS, "fake_right", right)
+    rec = peers_sweep.run_row(row, p, ["fake_right"], CountingTimer(), 1e12, {})
+    assert rec["lens"] == lens and rec["impls"]["fake_right"]["graph"] == 10.0
+    assert rec["kv_bytes"] == sum(lens) * 2 * 128 * 4
+
+
+def test_thunder_mla_row_is_mla_and_ragged():
+    row = peers_sweep.thunder_mla_row()
+    small = Row(row.model, row.heads, 4, 45, row.drafts, row.mask, "bfloat16", row.page_size, lens=(11, 45, 5, 2))
+    p = peers_sweep.draw_problem(small, DEVICE, dtype=torch.float32)
+    assert cuda_peers.is_mla(p) and p.v_buffer.data_ptr() == p.k_buffer.data_ptr()
+    assert peers_sweep.prefix_bytes(p) == 63 * 576 * 4  # the latent rows once
+    assert cuda_peers.skip_reason("flashinfer_mla", p, 64) in (None, "needs a CUDA GPU")
+    assert cuda_peers.skip_reason("flashinfer_xqa", p, 64) == "not an MLA kernel"
+
+
+# ---- XQA's bit mask, read back as its kernels read it --------------------------------------------------------
+
+
+def _xqa_reads(mask_u16, b, i, j, n_ext):
+    """Bit for draft ``j`` of draft row ``i`` of request ``b``, read as FlashInfer 0.6.13's XQA kernels read it:
+    mha.cu (applyMaskFromInput) takes uint16 ``[(b * L + i) * 2 * words + j // 16]``, bit ``j % 16``;
+    mha_sm90.cu (SpecDec::loadTileMaskRow) takes uint32 ``[(b * L + i) * words + j // 32]``, bit ``j % 32``."""
+    words = -(-n_ext // 32)
+    flat16 = mask_u16.contiguous().view(-1).view(torch.int16).long() & 0xFFFF
+    flat32 = mask_u16.contiguous().view(-1).view(torch.int32).long() & 0xFFFFFFFF
+    row = b * n_ext + i
+    a = (int(flat16[row * 2 * words + j // 16]) >> (j % 16)) & 1
+    c = (int(flat32[row * words + j // 32]) >> (j % 32)) & 1
+    return a, c
+
+
+@pytest.mark.parametrize("n_ext", [4, 8, 33])
+def test_xqa_mask_as_the_kernels_read_it(n_ext):
+    p = make_problem([5, 40, 2], n_ext, 4, 2, 32, device=DEVICE, mask="tree", seed=n_ext)
+    m = cuda_peers.xqa_spec_mask(p)
+    assert m.is_contiguous() and tuple(m.shape) == (3, n_ext, 2 * -(-n_ext // 32))
+    starts = p.mask_indptr.tolist()
+    for b, n in enumerate(p.prefix_lens):
+        vis = p.custom_mask[starts[b]: starts[b] + n_ext * (n + n_ext)].view(n_ext, n + n_ext)[:, n:].cpu()
+        for i in range(n_ext):
+            for j in range(n_ext):
+                assert _xqa_reads(m, b, i, j, n_ext) == (int(vis[i, j]),) * 2, (b, i, j)
+
+
+# ---- FlashInfer's builds: collected, built at once, packed and reloaded without nvcc ---------------------------
+
+
+@pytest.fixture
+def fake_flashinfer_dirs(monkeypatch, tmp_path):
+    pytest.importorskip("flashinfer", reason="FlashInfer is not installed (its wheel: see cuda_peers)")
+    from flashinfer.jit import env
+
+    monkeypatch.setattr(env, "FLASHINFER_JIT_DIR", tmp_path / "jit")
+    monkeypatch.setattr(env, "FLASHINFER_AOT_DIR", tmp_path / "aot")
+    return tmp_path
+
+
+def _spec(name):
+    from flashinfer.jit.core import JitSpec
+
+    return JitSpec(name=name, sources=[], extra_cflags=None, extra_cuda_cflags=None, extra_ldflags=None,
+                   extra_include_dirs=None)
+
+
+def _fake_build(spec, size=100):
+    spec.jit_library_path.parent.mkdir(parents=True, exist_ok=True)
+    spec.jit_library_path.write_bytes(os.urandom(size))
+
+
+def test_collecting_flashinfer_specs(monkeypatch, fake_flashinfer_dirs):
+    from flashinfer.jit import core
+
+    loaded = []
+    monkeypatch.setattr(core.JitSpec, "build_and_load", lambda spec: loaded.append(spec.name) or "module")
+    built, missing = _spec("mod_built"), _spec("mod_missing")
+    _fake_build(built)
+    patched = core.JitSpec.build_and_load
+    with cuda_peers.collecting_flashinfer_specs() as needed:
+        assert built.build_and_load() == "module" and loaded == ["mod_built"]  # a built module loads as usual
+        with pytest.raises(cuda_peers.SpecNeeded, match="mod_missing"):
+            missing.build_and_load()
+    assert list(needed) == ["mod_missing"] and needed["mod_missing"] is missing
+    assert core.JitSpec.build_and_load is patched  # restored
+
+
+def test_collecting_a_real_xqa_spec(monkeypatch, fake_flashinfer_dirs):
+    """FlashInfer's own XQA module lookup, stopped where it would call nvcc: the module the quick rows' causal
+    bf16 row needs (Llama-3-8B: 4 query heads per KV head, 4 drafts, pages of 64)."""
+    from flashinfer.jit import core
+
+    xqa_module = importlib.import_module("flashinfer.xqa")  # (flashinfer.xqa is the function)
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    monkeypatch.setattr(core.current_compilation_context, "TARGET_CUDA_ARCHS", {(9, "0a")})
+    xqa_module.get_xqa_module.cache_clear()
+    with cuda_peers.collecting_flashinfer_specs() as needed:
+        with pytest.raises(cuda_peers.SpecNeeded):
+            xqa_module.get_xqa_module(torch.bfloat16, torch.bfloat16, 64, 128, 4, False, torch.bfloat16, 4)
+    (name, spec), = needed.items()
+    assert "page_size_64_head_dim_128_head_group_ratio_4" in name and name.endswith("spec_q_seq_len_4")
+    assert "-DSPEC_DEC=1" in spec.extra_cuda_cflags and "-DSPEC_Q_SEQ_LEN=4" in spec.extra_cuda_cflags
+    assert [f for f in spec.extra_cuda_cflags if "compute_" in f] == ["-gencode=arch=compute_90a,code=sm_90a"]
+    xqa_module.get_xqa_module.cache_clear()
+
+
+def test_prebuild_builds_what_the_probes_lack_at_once(monkeypatch, fake_flashinfer_dirs):
+    """Two fake FlashInfer peers: one needs module A, the other A then B (B shows only once A loads). Round 1
+    builds A (for both peers, once), round 2 builds B, round 3 finds nothing missing; the Triton work runs once,
+    during the first build."""
+    from flashinfer.jit import core
+
+    monkeypatch.setattr(core.JitSpec, "build_and_load", lambda spec: "module")  # a built module "loads"
+    specs = {"mod_a": _spec("mod_a"), "mod_b": _spec("mod_b")}
+
+    def peer_needing(*names):
+        def build(p, out, fl):
+            for n in names:
+                specs[n].build_and_load()
+            return _oracle_peer()(p, out, fl)
+        return build
+
+    monkeypatch.setitem(PEERS, "fake_fi_a", CudaPeer("fake_fi_a", "flashinfer", "needs A", paged=True,
+                                                     build=peer_needing("mod_a")))
+    monkeypatch.setitem(PEERS, "fake_fi_ab", CudaPeer("fake_fi_ab", "flashinfer", "needs A, B", paged=True,
+                                                      build=peer_needing("mod_a", "mod_b")))
+    monkeypatch.setattr(cuda_peers, "skip_reason", lambda name, p, ps: None)
+    monkeypatch.setitem(MODEL_SHAPES, "tiny", HeadShape("tiny", 4, 2, 64))
+    calls, meanwhile = [], []
+
+    def build(batch, meanwhile=None):
+        calls.append(sorted(s.name for s in batch))
+        if meanwhile:
+            meanwhile()
+        for s in batch:
+            _fake_build(s)
+        return dict(built=[s.name for s in batch], failed=[], seconds=1.0)
+
+    rows = [Row("tiny", 4, 1, 40, 4, "causal", "float32", 16), Row("tiny", 4, 1, 40, 4, "tree", "float32", 16)]
+    res = peers_sweep.prebuild(rows, ["fake_fi_a", "fake_fi_ab"], build=build, device=DEVICE,
+                               meanwhile=lambda: meanwhile.append(1))
+    assert calls == [["mod_a"], ["mod_b"]] and meanwhile == [1]
+    assert res == dict(modules=["mod_a", "mod_b"], failed=[], seconds=2.0, rounds=2)
+    # Everything built: nothing to do, the Triton work still runs.
+    res = peers_sweep.prebuild(rows, ["fake_fi_a", "fake_fi_ab"], build=build, device=DEVICE,
+                               meanwhile=lambda: meanwhile.append(2))
+    assert res["rounds"] == 0 and len(calls) == 2 and meanwhile == [1, 2]
+
+
+def test_pack_and_install_jit_cache(fake_flashinfer_dirs, tmp_path):
+    from flashinfer.jit import env
+
+    sizes = {"mod_big": 3000, "mod_mid": 1500, "mod_small": 1000, "mod_tiny": 400}
+    for name, size in sizes.items():
+        _fake_build(_spec(name), size)
+    (env.FLASHINFER_JIT_DIR / "mod_unbuilt").mkdir()  # objects only, no library: not packed
+    (env.FLASHINFER_JIT_DIR / "mod_big" / "x.cuda.o").write_bytes(b"o")  # objects are not packed
+    parts = cuda_peers.pack_jit_cache(str(tmp_path / "out" / "fijit.tar.gz"), str(env.FLASHINFER_JIT_DIR),
+                                      str(env.FLASHINFER_AOT_DIR), max_bytes=3000)
+    assert [os.path.basename(a) for a, _ in parts] == ["fijit.tar.gz", "fijit-2.tar.gz"]
+    assert [names for _, names in parts] == [["mod_big"], ["mod_mid", "mod_small", "mod_tiny"]]
+    import tarfile
+
+    with tarfile.open(parts[1][0]) as tar:
+        assert sorted(tar.getnames()) == ["mod_mid/mod_mid.so", "mod_small/mod_small.so", "mod_tiny/mod_tiny.so"]
+    # On a fresh machine: unpacked into the AOT folder, a module is "AOT" and loads without ninja or nvcc.
+    assert not _spec("mod_big").is_aot
+    names = []
+    for archive, _ in parts:
+        names += cuda_peers.install_jit_cache(archive)
+    assert sorted(names) == sorted(sizes)
+    for name, size in sizes.items():
+        spec = _spec(name)
+        assert spec.is_aot and spec.aot_path.read_bytes() == (env.FLASHINFER_JIT_DIR / name / f"{name}.so").read_bytes()
+    # Packing again takes the AOT copies too (one name once), so the next archive holds every module.
+    (env.FLASHINFER_JIT_DIR / "mod_tiny" / "mod_tiny.so").unlink()
+    again = cuda_peers.pack_jit_cache(str(tmp_path / "again.tar.gz"), str(env.FLASHINFER_JIT_DIR),
+                                      str(env.FLASHINFER_AOT_DIR))
+    assert len(again) == 1 and sorted(again[0][1]) == sorted(sizes)
+    # A library that does not load here is removed again (FlashInfer will build that module itself).
+    def verify(path):
+        if "mod_mid" in path:
+            raise OSError("undefined symbol")
+
+    aot2 = tmp_path / "aot2"
+    assert sorted(cuda_peers.install_jit_cache(parts[1][0], str(aot2), verify=verify)) == ["mod_small", "mod_tiny"]
+    assert not (aot2 / "mod_mid" / "mod_mid.so").exists() and (aot2 / "mod_tiny" / "mod_tiny.so").exists()
+    # Libraries built in the JIT folder are copied to the AOT folder where missing there.
+    _fake_build(_spec("mod_new"), 10)
+    assert cuda_peers.adopt_jit_builds(str(env.FLASHINFER_JIT_DIR), str(env.FLASHINFER_AOT_DIR)) == ["mod_new"]
+    assert _spec("mod_new").is_aot and cuda_peers.adopt_jit_builds(str(env.FLASHINFER_JIT_DIR),
+                                                                   str(env.FLASHINFER_AOT_DIR)) == []
+    # A library that calls the driver without needing libcuda (linked against a stand-in) is refused.
+    nm = "                 U cuTensorMapEncodeTiled\n                 U memcpy@GLIBC_2.14\n"
+
+    def fake_run(cmd, **kw):
+        out = nm if cmd[0] == "nm" else (" (NEEDED) Shared library: [libcuda.so.1]\n" if "good" in cmd[-1] else "")
+        return type("R", (), {"stdout": out})()
+
+    import subprocess
+
+    real_run = subprocess.run
+    subprocess.run = fake_run
+    try:
+        with pytest.raises(OSError, match="cuTensorMapEncodeTiled"):
+            cuda_peers.check_driver_link("/x/bad.so")
+        cuda_peers.check_driver_link("/x/good.so")
+    finally:
+        subprocess.run = real_run
+    # A foreign member is passed over.
+    evil = tmp_path / "evil.tar.gz"
+    with tarfile.open(evil, "w:gz") as tar:
+        tar.add(str(parts[0][0]), arcname="../escape/escape.so")
+        tar.add(str(parts[0][0]), arcname="mod_x/other.so")
+    assert cuda_peers.install_jit_cache(str(evil)) == [] and not (tmp_path / "escape").exists()
+    assert peers_sweep.main(["--install-jit", str(tmp_path / "absent.tar.gz")]) == 0
+
+
+# ---- Who is fastest, and the benchmarks page ---------------------------------------------------------------------
+
+
+def _result_with_a_loss():
+    """_fake_result plus a row where FlashInfer's XQA beats splitkv (made-up numbers, never written to figures/)."""
+    result = _fake_result()
+    loss = json.loads(json.dumps(result["rows"][0]))
+    loss.update(page_size=64, case="bf16 p64 causal4", gather_floor_us=50.0)
+    loss["impls"]["flashinfer_xqa"] = dict(graph=56.0, rel_err=1e-3, row_err=2e-3, checked_against="oracle",
+                                           over_splitkv=0.8)
+    result["rows"].append(loss)
+    ragged = json.loads(json.dumps(result["rows"][1]))
+    ragged.update(batch=4, prefix=45118, lens=[4641, 45118, 1730, 1696])
+    ragged["impls"]["splitkv"] = dict(refused="probe off the oracle")
+    result["rows"].append(ragged)
+    return result
+
+
+def test_fastest_and_where_splitkv_is_not():
+    result = _result_with_a_loss()
+    f = peers_sweep.fastest(result)
+    assert [x["fastest"] for x in f] == ["splitkv", "splitkv", "flashinfer_xqa", "flashinfer_mla"]
+    first = f[0]
+    assert first["runner_up"] == "splitkv_paged" and math.isclose(first["margin"], 72 / 70)
+    assert first["best_peer"] == "flashinfer_fa2" and math.isclose(first["peer_over_splitkv"], 90 / 70)
+    assert f[1]["row"] == "deepseek-v3 h16 bs8 4k" and f[1]["best_peer"] == "flashinfer_mla"
+    assert f[3]["row"] == "deepseek-v3 h16 bs4 4641/45118/1730/1696" and f[3]["splitkv_us"] is None
+    losses = peers_sweep.not_fastest(result)
+    assert [(x["row"], x["case"]) for x in losses] == [("llama3-8b bs8 16k", "bf16 p64 causal4"),
+                                                       ("deepseek-v3 h16 bs4 4641/45118/1730/1696",
+                                                        "bf16 p64 causal4")]
+    assert math.isclose(losses[0]["splitkv_over_gather_floor"], 70 / 50)
+    md = peers_sweep.fastest_markdown(result)
+    assert "| llama3-8b bs8 16k | bf16 p64 causal4 | FlashInfer xqa | 56.0 | splitkv | 1.25 | FlashInfer xqa | 0.80 |" \
+        in md
+    assert ("- llama3-8b bs8 16k bf16 p64 causal4: FlashInfer xqa 56.0 µs against splitkv's 70.0 µs (splitkv 1.25× "
+            "its time; splitkv ÷ gather floor 1.40).") in md
+    assert "- deepseek-v3 h16 bs4 4641/45118/1730/1696 bf16 p64 causal4: splitkv has no time" in md
+    result["rows"] = result["rows"][:2]
+    assert "Nowhere: splitkv (token pool) is at least as fast as every timed peer on all 2 rows." in \
+        peers_sweep.fastest_markdown(result)
+
+
+def test_report_writes_the_docs_block(tmp_path, capsys):
+    result = _result_with_a_loss()
+    result["command"] = "python -m splitkv.bench --peers flashinfer,sglang --quick"
+    path = str(tmp_path / "peers_h200_quick.json")
+    with open(path, "w") as f:
+        json.dump(result, f)
+    page = tmp_path / "benchmarks.md"
+    page.write_text(f"# B\n\nbefore\n\n{peers_sweep.DOCS_BEGIN}\nNo run yet.\n{peers_sweep.DOCS_END}\n\nafter\n")
+    assert peers_sweep.main(["--report", path, "--docs", str(page)]) == 0
+    text = page.read_text()
+    assert text.startswith("# B\n\nbefore\n\n" + peers_sweep.DOCS_BEGIN) and text.endswith(peers_sweep.DOCS_END
+                                                                                          + "\n\nafter\n")
+    assert "No run yet." not in text and text.count(peers_sweep.DOCS_BEGIN) == 1
+    assert ("Measured on NVIDIA H200 (132 SMs), 2026-12-05, torch 2.11, triton 3.6, flashinfer 0.6.13, sglang "
+            "0.5.10.post1; 4 rows; command: `python -m splitkv.bench --peers flashinfer,sglang --quick`.") in text
+    assert '--8<-- "figures/peers_h200_quick.md"' in text and "**Where splitkv is not the fastest**" in text
+    assert "](figures/peers_h200_quick.png)" in text and "[`figures/peers_h200_quick.json`]" in text
+    assert os.path.isfile(path[:-5] + ".md") and os.path.isfile(path[:-5] + ".png")
+    assert "FlashInfer xqa 56.0 µs against splitkv's 70.0 µs" in capsys.readouterr().out
+    # Again: the block is replaced, not added.
+    peers_sweep.update_docs(str(page), peers_sweep.docs_block(result, path))
+    assert page.read_text().count(peers_sweep.DOCS_BEGIN) == 1
+    with pytest.raises(ValueError, match="no"):
+        peers_sweep.update_docs(str(tmp_path / "peers_h200_quick.md"), "x")
+
+
+def test_the_benchmarks_page_has_the_block():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "benchmarks.md")) as f:
+        text = f.read()
+    assert text.count(peers_sweep.DOCS_BEGIN) == 1 and text.index(peers_sweep.DOCS_BEGIN) < text.index(
+        peers_sweep.DOCS_END)

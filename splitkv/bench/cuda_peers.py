@@ -45,9 +45,15 @@ command that installs it.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import shutil
+import subprocess
+import tarfile
+import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -62,10 +68,17 @@ __all__ = [
     "CudaPeer",
     "FlashInferPaged",
     "append_drafts",
+    "adopt_jit_builds",
+    "build_flashinfer_specs",
     "build_peer",
+    "check_driver_link",
     "drafts_as_stored",
+    "collecting_flashinfer_specs",
     "flashinfer_layout",
     "install_hint",
+    "install_jit_cache",
+    "jit_libraries",
+    "pack_jit_cache",
     "is_mla",
     "library_version",
     "resolve_peers",
@@ -473,3 +486,196 @@ def build_peer(name: str, p: VerifyProblem, out: torch.Tensor, fl: Optional[Flas
     if name == "flashinfer_mla":
         return _fi_mla(fl, out)
     raise ValueError(f"unknown peer {name!r}")
+
+
+# ---- FlashInfer's kernel builds ----------------------------------------------------------------------
+#
+# FlashInfer 0.6.13 ships no compiled attention kernel: every module (one per prefill backend x dtypes x head
+# dims; per MLA dtypes; per XQA dtypes x page size x head dim x group x drafts) is built with nvcc on first use,
+# one module after another, each taking minutes. Two things shorten that on a machine that starts bare:
+#
+# * :func:`collecting_flashinfer_specs` lets the peers run up to the first module they lack and records it, so
+#   that every missing module can be built in one ninja call (flashinfer.jit.build_jit_specs), every source file
+#   of every module in parallel on all cores;
+# * :func:`pack_jit_cache` puts the built libraries (``<name>/<name>.so``) in one archive to bring back, and
+#   :func:`install_jit_cache` unpacks such an archive into FlashInfer's AOT folder, from which FlashInfer loads a
+#   module without running ninja or nvcc at all.
+
+
+class SpecNeeded(RuntimeError):
+    """Raised in place of a FlashInfer module build while :func:`collecting_flashinfer_specs` is active."""
+
+
+@contextlib.contextmanager
+def collecting_flashinfer_specs() -> Iterator[Dict[str, object]]:
+    """Within the block, a FlashInfer module that is neither built nor in the AOT folder is not built: its
+    ``JitSpec`` is recorded (``{name: spec}``, the yielded dict) and :class:`SpecNeeded` is raised in its place.
+    Built modules load as usual."""
+    from flashinfer.jit import core
+
+    needed: Dict[str, object] = {}
+    original = core.JitSpec.build_and_load
+
+    def build_and_load(spec):
+        if spec.is_aot or spec.is_compiled:
+            return original(spec)
+        needed[spec.name] = spec
+        raise SpecNeeded(f"FlashInfer module {spec.name} is not built")
+
+    core.JitSpec.build_and_load = build_and_load
+    try:
+        yield needed
+    finally:
+        core.JitSpec.build_and_load = original
+
+
+def jit_libraries(*folders: str) -> Dict[str, str]:
+    """``{module name: path}`` of every built module library ``<folder>/<name>/<name>.so`` under ``folders``
+    (FlashInfer's JIT and AOT folders; the first folder holding a name wins)."""
+    found: Dict[str, str] = {}
+    for folder in folders:
+        if not folder or not os.path.isdir(folder):
+            continue
+        for name in sorted(os.listdir(folder)):
+            path = os.path.join(folder, name, name + ".so")
+            if name not in found and os.path.isfile(path):
+                found[name] = path
+    return found
+
+
+def adopt_jit_builds(jit_dir: str, aot_dir: str, names: Optional[List[str]] = None) -> List[str]:
+    """Copy the libraries built in FlashInfer's JIT folder (``names``, default all) into its AOT folder, where
+    missing there; returns the names copied.
+
+    FlashInfer reruns ninja in a module's own folder before loading a JIT build, and ninja rebuilds every object
+    whose dependency record is not in that folder's log: after one ninja call for many modules (or a reinstall of
+    the package), that is all of them. From the AOT folder a module is loaded as it is."""
+    copied = []
+    for name, lib in jit_libraries(jit_dir).items():
+        target = os.path.join(aot_dir, name, name + ".so")
+        if (names is None or name in names) and not os.path.isfile(target):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copyfile(lib, target)
+            copied.append(name)
+    return copied
+
+
+def _part_path(path: str, i: int) -> str:
+    if i == 0:
+        return path
+    for ext in (".tar.gz", ".tgz"):
+        if path.endswith(ext):
+            return f"{path[: -len(ext)]}-{i + 1}{ext}"
+    return f"{path}-{i + 1}"
+
+
+def pack_jit_cache(path: str, *folders: str, max_bytes: Optional[int] = None) -> List[Tuple[str, List[str]]]:
+    """Write the module libraries under ``folders`` (see :func:`jit_libraries`) to gzipped tars as
+    ``<name>/<name>.so``: ``path``, then ``<path>-2.tar.gz`` ... where the libraries together pass ``max_bytes``
+    (uncompressed; a larger library gets a part alone). Returns ``[(archive, module names)]`` ([]: none built)."""
+    libs = jit_libraries(*folders)
+    parts: List[List[str]] = []
+    size = 0
+    for name, lib in sorted(libs.items(), key=lambda kv: -os.path.getsize(kv[1])):
+        n = os.path.getsize(lib)
+        if not parts or (max_bytes is not None and size + n > max_bytes and parts[-1]):
+            parts.append([])
+            size = 0
+        parts[-1].append(name)
+        size += n
+    out = []
+    for i, names in enumerate(parts):
+        archive = _part_path(path, i)
+        os.makedirs(os.path.dirname(archive) or ".", exist_ok=True)
+        with tarfile.open(archive, "w:gz") as tar:
+            for name in names:
+                tar.add(libs[name], arcname=f"{name}/{name}.so")
+        out.append((archive, names))
+    return out
+
+
+def check_driver_link(path: str) -> None:
+    """Raise where the library ``path`` calls the CUDA driver (undefined ``cu*`` symbols, e.g. XQA's
+    ``cuTensorMapEncodeTiled``) but does not name ``libcuda.so.1`` among its needed libraries: built against a
+    stand-in, it would load and then fail at its first driver call. Passes where ``nm`` / ``readelf`` are
+    missing."""
+    try:
+        undefined = subprocess.run(["nm", "-D", "--undefined-only", path], capture_output=True, text=True,
+                                   check=True).stdout
+        dynamic = subprocess.run(["readelf", "-d", path], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return
+    driver = sorted({w for line in undefined.splitlines() for w in line.split()[-1:]
+                     if w[:2] == "cu" and w[2:3].isupper()})
+    if driver and "[libcuda.so" not in dynamic:
+        raise OSError(f"calls the CUDA driver ({', '.join(driver[:3])}) without needing libcuda.so.1")
+
+
+def install_jit_cache(archive: str, aot_dir: Optional[str] = None,
+                      verify: Optional[Callable[[str], object]] = None) -> List[str]:
+    """Unpack an archive of :func:`pack_jit_cache` into FlashInfer's AOT folder (``aot_dir``, default
+    ``flashinfer.jit.env.FLASHINFER_AOT_DIR``: the installed package's ``data/aot``); returns the module names.
+    Only ``<name>/<name>.so`` members are taken. ``verify(path)`` (e.g. ``tvm_ffi.load_module``) is tried on each
+    library: one that raises is removed again (FlashInfer then builds that module itself) and left out."""
+    if aot_dir is None:
+        from flashinfer.jit import env
+
+        aot_dir = str(env.FLASHINFER_AOT_DIR)
+    names = []
+    with tarfile.open(archive, "r:*") as tar:
+        for member in tar.getmembers():
+            parts = member.name.split("/")
+            if (not member.isfile() or len(parts) != 2 or parts[1] != parts[0] + ".so"
+                    or parts[0] in ("", ".", "..")):
+                continue
+            os.makedirs(os.path.join(aot_dir, parts[0]), exist_ok=True)
+            target = os.path.join(aot_dir, *parts)
+            with tar.extractfile(member) as src, open(target, "wb") as dst:
+                dst.write(src.read())
+            if verify is not None:
+                try:
+                    verify(target)
+                except Exception as err:
+                    os.remove(target)
+                    print(f"{parts[0]}: not loadable here, left to FlashInfer to build ({type(err).__name__}: "
+                          f"{str(err)[:200]})", flush=True)
+                    continue
+            names.append(parts[0])
+    return names
+
+
+def build_flashinfer_specs(specs: List[object], log_path: Optional[str] = None, jobs: Optional[int] = None,
+                           meanwhile: Optional[Callable[[], None]] = None) -> dict:
+    """Build FlashInfer modules (``JitSpec``) in one ninja call: every source file of every module in parallel
+    (``-j jobs``, default ninja's: the cores + 2), going on past a failed file (``-k 0``) so that one module that
+    fails to compile costs no other. ninja's output goes to ``log_path`` (default: beside the build files).
+    ``meanwhile()`` runs while ninja does (the Triton kernels' compiles).
+
+    Returns ``{"built": [names], "failed": [names], "seconds", "returncode", "log"}``.
+    """
+    from flashinfer.jit import env
+
+    jit_dir = env.FLASHINFER_JIT_DIR
+    jit_dir.mkdir(parents=True, exist_ok=True)
+    lines = ["ninja_required_version = 1.3"]
+    for spec in specs:
+        spec.write_ninja()
+        lines.append(f"subninja {spec.ninja_path}")
+    ninja_file = jit_dir / "splitkv_prebuild.ninja"
+    ninja_file.write_text("\n".join(lines) + "\n")
+    log_path = log_path or str(jit_dir / "splitkv_prebuild.log")
+    cmd = ["ninja", "-k", "0", "-C", str(jit_dir), "-f", str(ninja_file)] + (["-j", str(jobs)] if jobs else [])
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(jit_dir))
+        try:
+            if meanwhile is not None:
+                meanwhile()
+            rc = proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    built = [spec.name for spec in specs if os.path.isfile(spec.jit_library_path) or spec.is_aot]
+    adopt_jit_builds(str(jit_dir), str(env.FLASHINFER_AOT_DIR), names=built)
+    return dict(built=built, failed=[spec.name for spec in specs if spec.name not in built],
+                seconds=round(time.perf_counter() - t0, 1), returncode=rc, log=log_path)

@@ -110,10 +110,13 @@ VARIANT_PREFIXES = (4096, 65536)
 #: VARIANT_PREFIXES.
 MAIN_CASE = ("causal", 4, "bfloat16", 16)
 VARIANT_CASES = (("causal", 4, "float8_e4m3fn", 16), ("causal", 4, "bfloat16", 64),
-                 ("causal", 4, "float8_e4m3fn", 64), ("tree", 8, "bfloat16", 16), ("tree", 8, "float8_e4m3fn", 64))
+                 ("causal", 4, "float8_e4m3fn", 64), ("tree", 8, "bfloat16", 64), ("tree", 8, "float8_e4m3fn", 64))
 MLA_HEADS = (16, 128)
 MLA_PREFIXES = (4096, 16384, 65536)
 MLA_CASE = ("causal", 4, "bfloat16", 64)
+#: The one published Hopper MLA verify comparison (hazyresearch's ThunderMLA post, 2025-03-04; H100 SXM: FlashMLA
+#: 52 µs, ThunderMLA 41 µs): 16 query heads, 4 drafts, 4 requests with these cached lengths (the prefixes here).
+THUNDER_MLA_LENS = (4641, 45118, 1730, 1696)
 #: The sweep runs XQA on pages of these sizes only: each page size (with each pool dtype, head shape and draft
 #: count) is another kernel build of about a minute.
 XQA_ROW_PAGE_SIZES = (64,)
@@ -140,11 +143,18 @@ class Row:
     mask: str
     kv_dtype: str
     page_size: int
+    #: ragged prefixes, one per sequence (``batch`` of them; ``prefix`` is then their largest); ``()``: all equal
+    lens: Tuple[int, ...] = ()
 
     @property
     def draw_key(self) -> tuple:
         """Rows with the same key share one draw of the data."""
-        return (self.model, self.heads, self.batch, self.prefix, self.drafts, self.mask)
+        return (self.model, self.heads, self.batch, self.prefix, self.drafts, self.mask, self.lens)
+
+    @property
+    def prefix_lens(self) -> List[int]:
+        """Each sequence's prefix."""
+        return list(self.lens) if self.lens else [self.prefix] * self.batch
 
     @property
     def mla(self) -> bool:
@@ -162,14 +172,36 @@ class Row:
         return (f"{ {'bfloat16': 'bf16', 'float8_e4m3fn': 'fp8'}.get(self.kv_dtype, self.kv_dtype)} p{self.page_size} "
                 f"{'tree' if self.mask == 'tree' else 'causal'}{self.drafts}")
 
+    def shape(self) -> str:
+        """``"bs8 64k"``, or the ragged prefixes: ``"bs4 4641/45118/1730/1696"``."""
+        return shape_text(self.batch, self.prefix, self.lens)
+
     def label(self) -> str:
         name = f"{self.model} h{self.heads}" if self.mla else self.model
-        return f"{name} bs{self.batch} {self.prefix // 1024}k"
+        return f"{name} {self.shape()}"
 
     def pool_bytes(self) -> int:
         h_q, h_kv, d, dv = self.dims()
         per_token = h_kv * d * 2 if self.mla else h_kv * (d + dv) * 2
-        return int(self.batch * self.prefix * 1.25) * per_token
+        return int(sum(self.prefix_lens) * 1.25) * per_token
+
+
+def shape_text(batch: int, prefix: int, lens=()) -> str:
+    """A row's batch and prefix as the tables print them."""
+    if lens:
+        return f"bs{batch} " + "/".join(str(n) for n in lens)
+    return f"bs{batch} {prefix // 1024}k"
+
+
+def _shape(r: dict) -> str:
+    return shape_text(r["batch"], r["prefix"], r.get("lens") or ())
+
+
+def thunder_mla_row() -> Row:
+    """DeepSeek-V3 MLA at 16 heads, 4 drafts, the ThunderMLA post's 4 ragged requests (:data:`THUNDER_MLA_LENS`)."""
+    mask, drafts, dt, ps = MLA_CASE
+    lens = THUNDER_MLA_LENS
+    return Row(MLA_MODEL, 16, len(lens), max(lens), drafts, mask, dt, ps, lens=lens)
 
 
 def _gqa(model, batches, prefixes, cases) -> List[Row]:
@@ -186,6 +218,7 @@ def sweep_rows(models: Optional[Sequence[str]] = None, batches: Optional[Sequenc
         rows += _gqa(model, BATCHES, PREFIXES, [MAIN_CASE]) + _gqa(model, BATCHES, VARIANT_PREFIXES, VARIANT_CASES)
     mask, drafts, dt, ps = MLA_CASE
     rows += [Row(MLA_MODEL, h, b, n, drafts, mask, dt, ps) for h in MLA_HEADS for b in BATCHES for n in MLA_PREFIXES]
+    rows.append(thunder_mla_row())
     rows = [r for r in rows if 3 * r.pool_bytes() <= MEMORY_BUDGET]
     return [r for r in rows if (models is None or r.model in models) and (batches is None or r.batch in batches)
             and (prefixes is None or r.prefix in prefixes)]
@@ -194,13 +227,14 @@ def sweep_rows(models: Optional[Sequence[str]] = None, batches: Optional[Sequenc
 def _quick_rows() -> List[Row]:
     s = MODEL_SHAPES["llama3-8b"]
     rows = [Row("llama3-8b", s.num_q_heads, 8, 65536, d, m, dt, ps)
-            for (m, d, dt, ps) in (MAIN_CASE, VARIANT_CASES[0], VARIANT_CASES[1], VARIANT_CASES[3])]
+            for (m, d, dt, ps) in (MAIN_CASE,) + VARIANT_CASES[:2] + VARIANT_CASES[3:]]
     mask, drafts, dt, ps = MLA_CASE
-    return rows + [Row(MLA_MODEL, h, 8, 4096, drafts, mask, dt, ps) for h in MLA_HEADS]
+    return rows + [Row(MLA_MODEL, h, 8, 4096, drafts, mask, dt, ps) for h in MLA_HEADS] + [thunder_mla_row()]
 
 
-#: ``--quick``: Llama-3-8B at batch 8 x 64k (bf16 and fp8 in pages of 16, bf16 in pages of 64, a tree of 8),
-#: DeepSeek-V3 MLA at 16 and 128 heads, batch 8 x 4k.
+#: ``--quick``: Llama-3-8B at batch 8 x 64k (bf16 and fp8 in pages of 16; in pages of 64 bf16 causal and the
+#: trees of 8 on bf16 and fp8, where XQA runs its speculative mode with the tree's bit mask), DeepSeek-V3 MLA at
+#: 16 and 128 heads, batch 8 x 4k, and the ThunderMLA row. FlashInfer builds 7 kernel modules for them.
 QUICK_ROWS = _quick_rows()
 
 
@@ -214,7 +248,7 @@ def draw_problem(row: Row, device="cuda", seed: int = 0, dtype: torch.dtype = to
     """The row's problem with a ``dtype`` pool (bf16 in the sweep), drawn on ``device`` (a 64k x 32 pool takes
     long to draw on the host).
 
-    Equal prefixes on random slots of a pool 1.25 times their size; drafts
+    Equal prefixes (or the row's ragged ``lens``) on random slots of a pool 1.25 times their size; drafts
     causal, or one random tree per sequence (``custom_mask`` in
     :func:`splitkv.testing.make_problem`'s layout); for MLA one KV head of 576
     whose first 512 columns are the values (views, as
@@ -226,8 +260,9 @@ def draw_problem(row: Row, device="cuda", seed: int = 0, dtype: torch.dtype = to
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
 
-    bs, n_pre, n_ext = row.batch, row.prefix, row.drafts
-    n_tok, keys = bs * n_ext, bs * n_pre
+    bs, n_ext = row.batch, row.drafts
+    lens = row.prefix_lens
+    n_tok, keys = bs * n_ext, sum(lens)
     pool = max(int(keys * 1.25), keys + 1)
     q = randn(n_tok, h_q, d)
     if row.mla:
@@ -239,18 +274,23 @@ def draw_problem(row: Row, device="cuda", seed: int = 0, dtype: torch.dtype = to
     custom_mask = mask_indptr = None
     if row.mask == "tree":
         host = torch.Generator().manual_seed(seed)
-        trees = torch.stack([tree_mask(_tree_parents(n_ext, host)) for _ in range(bs)]).to(device)
-        rows = torch.ones(bs, n_ext, n_pre + n_ext, dtype=torch.bool, device=device)
-        rows[:, :, n_pre:] = trees
-        custom_mask = rows.flatten()
-        mask_indptr = torch.arange(0, (bs + 1) * n_ext * (n_pre + n_ext), n_ext * (n_pre + n_ext),
-                                   dtype=torch.int64, device=device)
-    indptr = lambda n: torch.arange(0, (bs + 1) * n, n, device=device, dtype=torch.int32)  # noqa: E731
+        blocks = []
+        for n_pre in lens:
+            rows = torch.ones(n_ext, n_pre + n_ext, dtype=torch.bool)
+            rows[:, n_pre:] = tree_mask(_tree_parents(n_ext, host))
+            blocks.append(rows.flatten())
+        custom_mask = torch.cat(blocks).to(device)
+        mask_indptr = torch.tensor([0] + [n_ext * (n + n_ext) for n in lens], dtype=torch.int64,
+                                   device=device).cumsum(0)
+
+    def indptr(ns):
+        return torch.tensor([0] + list(ns), dtype=torch.int64, device=device).cumsum(0).to(torch.int32)
+
     return VerifyProblem(
-        q_extend=q, k_extend=k_ext, v_extend=v_ext, k_buffer=k_buf, v_buffer=v_buf, qo_indptr=indptr(n_ext),
-        kv_indptr=indptr(n_pre), kv_indices=torch.randperm(pool, generator=gen, device=device)[:keys],
+        q_extend=q, k_extend=k_ext, v_extend=v_ext, k_buffer=k_buf, v_buffer=v_buf, qo_indptr=indptr([n_ext] * bs),
+        kv_indptr=indptr(lens), kv_indices=torch.randperm(pool, generator=gen, device=device)[:keys],
         custom_mask=custom_mask, mask_indptr=mask_indptr, is_causal=True, max_len_extend=n_ext, k_scale=1.0,
-        v_scale=1.0, sm_scale=1.0 / math.sqrt(d), sinks=None, prefix_lens=[n_pre] * bs, extend_lens=[n_ext] * bs)
+        v_scale=1.0, sm_scale=1.0 / math.sqrt(d), sinks=None, prefix_lens=list(lens), extend_lens=[n_ext] * bs)
 
 
 def to_fp8(p: VerifyProblem, k_scale: float = FP8_K_SCALE, v_scale: float = FP8_V_SCALE) -> VerifyProblem:
@@ -535,7 +575,7 @@ def _save(result: dict, path: Optional[str]) -> None:
 
 def run_sweep(rows: Sequence[Row], peers: Sequence[str], *, out_path: Optional[str] = None, timer=None,
               eager: bool = False, quick: bool = False, progress: bool = True, gather_floor: bool = True,
-              device="cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
+              device="cuda", dtype: torch.dtype = torch.bfloat16, command: Optional[str] = None) -> dict:
     """Every row with splitkv's two entries and ``peers``; the result record (written to ``out_path`` per row).
 
     ``device`` and ``dtype`` (the queries' and the pool's before fp8) are the
@@ -548,6 +588,7 @@ def run_sweep(rows: Sequence[Row], peers: Sequence[str], *, out_path: Optional[s
     impls = list(OWN) + list(peers)
     bandwidth = measure_read_bandwidth()
     result = _header(impls, timer, bandwidth, quick)
+    result["command"] = command
     for name in peers:
         why = cuda_peers.unavailable(name)
         if why:
@@ -584,9 +625,99 @@ def run_sweep(rows: Sequence[Row], peers: Sequence[str], *, out_path: Optional[s
     return result
 
 
-def compile_only(rows: Sequence[Row], peers: Sequence[str]) -> List[dict]:
-    """Run each probe the rows need (this builds every kernel variant they use); times nothing."""
+def _probe_targets(rows: Sequence[Row], peers: Sequence[str], device="cuda"):
+    """(peer, row) of each probe the rows need, the first row of each kernel configuration."""
+    seen = set()
+    for name in peers:
+        for row in rows:
+            key = (name, row.dims(), row.kv_dtype, row.page_size, row.mask, row.drafts)
+            if key in seen or sweep_skip(name, row):
+                continue
+            seen.add(key)
+            if cuda_peers.skip_reason(name, probe_problem(row, device), row.page_size):
+                continue
+            yield name, row
+
+
+def prebuild(rows: Sequence[Row], peers: Sequence[str], rounds: int = 3, build: Optional[Callable] = None,
+             log_path: Optional[str] = None, device="cuda", meanwhile: Optional[Callable[[], None]] = None) -> dict:
+    """Build every FlashInfer module the rows' probes need, all at once (:func:`cuda_peers.build_flashinfer_specs`)
+    instead of one after another on first use.
+
+    Each round runs the probes with the module builds stubbed
+    (:func:`cuda_peers.collecting_flashinfer_specs`): a probe stops at the
+    first module it lacks, which is recorded; then all recorded modules are
+    built in one parallel ninja call. Rounds repeat while a probe finds
+    another missing module (at most ``rounds``). ``build(specs)`` replaces
+    the ninja call (tests). ``meanwhile()`` runs during the first ninja call
+    (or at once when nothing is to be built). Returns ``{"modules",
+    "failed", "seconds", "rounds"}``.
+    """
+    fi = [n for n in peers if n in PEERS and PEERS[n].library == "flashinfer" and not cuda_peers.unavailable(n)]
+    summary = dict(modules=[], failed=[], seconds=0.0, rounds=0)
+    pending = [meanwhile] if meanwhile is not None else []
+
+    def run_pending():
+        while pending:
+            pending.pop()()
+
+    if not fi:
+        run_pending()
+        return summary
+    build = build or (lambda specs, meanwhile=None: cuda_peers.build_flashinfer_specs(
+        specs, log_path=log_path, meanwhile=meanwhile))
+    tried = set()
+    for _ in range(rounds):
+        with cuda_peers.collecting_flashinfer_specs() as needed:
+            for name, row in _probe_targets(rows, fi, device):
+                probe(name, row, {}, device)  # stops at the first missing module, recorded in `needed`
+        new = {k: v for k, v in needed.items() if k not in tried}
+        if not new:
+            break
+        tried.update(new)
+        summary["rounds"] += 1
+        print(f"building {len(new)} FlashInfer modules in one ninja call: {', '.join(sorted(new))}", flush=True)
+        res = build(list(new.values()), meanwhile=run_pending) or {}
+        summary["seconds"] += res.get("seconds", 0.0)
+        summary["modules"] += res.get("built", list(new))
+        summary["failed"] += res.get("failed", [])
+        print(f"  built {len(res.get('built', new))}, failed {len(res.get('failed', []))} in "
+              f"{res.get('seconds', 0.0):.0f} s" + (f" (log {res['log']})" if res.get("failed") else ""), flush=True)
+    run_pending()
+    return summary
+
+
+def compile_only(rows: Sequence[Row], peers: Sequence[str], own: bool = False, parallel: bool = True,
+                 log_path: Optional[str] = None) -> List[dict]:
+    """Run each probe the rows need (this builds every kernel variant they use); times nothing.
+
+    With ``parallel``, FlashInfer's modules are first built all at once (:func:`prebuild`), and splitkv's own
+    probes (with ``own``) and the Triton peers' run meanwhile; then every probe runs and is printed.
+    """
     probes: dict = {}
+    triton_side = ([n for n in OWN] if own else []) + [n for n in peers if PEERS[n].library != "flashinfer"]
+
+    def triton_probes():
+        for name in triton_side:
+            if name in PEERS and cuda_peers.unavailable(name):
+                continue
+            for row in rows:
+                if name in PEERS and (sweep_skip(name, row)
+                                      or cuda_peers.skip_reason(name, probe_problem(row), row.page_size)):
+                    continue
+                before = len(probes)
+                rec = probe(name, row, probes)
+                if len(probes) > before:
+                    state = "ok" if rec.get("ok") else rec.get("error") or f"refused (rel err {rec['rel_err']:.2e})"
+                    print(f"{name:<16} {row.case():<18} {row.dims()}: {rec['seconds']:.1f} s, {state}", flush=True)
+
+    if parallel:
+        t0 = time.perf_counter()
+        res = prebuild(rows, peers, log_path=log_path, meanwhile=triton_probes)
+        print(f"prebuilt {len(res['modules'])} FlashInfer modules ({len(res['failed'])} failed) in "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
+    else:
+        triton_probes()
     for name in peers:
         why = cuda_peers.unavailable(name)
         if why:
@@ -627,7 +758,7 @@ def merge_results(parts: Sequence[dict]) -> dict:
         merged["implementations"].update(part["implementations"])
         for row in part["rows"]:
             key = tuple(row[f] for f in ("model", "heads", "batch", "prefix", "drafts", "mask", "kv_dtype",
-                                         "page_size"))
+                                         "page_size")) + tuple(row.get("lens") or ())
             if key in seen:
                 raise ValueError(f"row {key} is in more than one part")
             seen.add(key)
@@ -678,7 +809,7 @@ def _floor_ratio(r: dict) -> str:
 
 def _row_line(i: int, n: int, rec: dict, total_s: float) -> str:
     parts = [f"{_LABEL.get(k, k)} {_cell(v)}" for k, v in rec["impls"].items()]
-    label = f"{rec['model']} bs{rec['batch']} {rec['prefix'] // 1024}k {rec['case']}"
+    label = f"{rec['model']} {_shape(rec)} {rec['case']}"
     return f"[{i:>3}/{n}] {label:<36} " + ", ".join(parts) + f"; total {total_s:.0f} s"
 
 
@@ -701,11 +832,11 @@ def _tables(result: dict) -> List[Tuple[str, List[str], List[List[str]]]]:
         peers = [n for n in names if n != "splitkv"]
         tables.append(("Verify attention, µs per call (median of CUDA-graph replays)",
                        ["shape", "case", "floor"] + [_LABEL.get(n, n) for n in names],
-                       [[f"{r['model']} bs{r['batch']} {r['prefix'] // 1024}k", r["case"], _us(r["floor_us"])]
+                       [[f"{r['model']} {_shape(r)}", r["case"], _us(r["floor_us"])]
                         + [_cell(r["impls"].get(n)) for n in names] for r in gqa]))
         tables.append(("Each implementation's time ÷ splitkv's (above 1: splitkv is faster); splitkv ÷ the gather "
                        "floor", ["shape", "case"] + [_LABEL.get(n, n) for n in peers] + ["splitkv ÷ gather floor"],
-                       [[f"{r['model']} bs{r['batch']} {r['prefix'] // 1024}k", r["case"]]
+                       [[f"{r['model']} {_shape(r)}", r["case"]]
                         + [_ratio_cell(r["impls"].get(n)) for n in peers] + [_floor_ratio(r)] for r in gqa]))
     if mla:
         names = _present(mla, [n for n in order if n not in ("flashinfer_fa2", "flashinfer_fa3", "flashinfer_xqa")])
@@ -713,7 +844,7 @@ def _tables(result: dict) -> List[Tuple[str, List[str], List[List[str]]]]:
         tables.append(("DeepSeek-V3 MLA (576 / 512, one latent head), µs per call (CUDA-graph replays) and ÷ splitkv",
                        ["shape", "case", "floor"] + [_LABEL.get(n, n) for n in names] + [f"{_LABEL.get(n, n)} ÷" for n in peers
                                                                                    if n != "splitkv_paged"],
-                       [[f"h{r['heads']} bs{r['batch']} {r['prefix'] // 1024}k", r["case"], _us(r["floor_us"])]
+                       [[f"h{r['heads']} {_shape(r)}", r["case"], _us(r["floor_us"])]
                         + [_cell(r["impls"].get(n)) for n in names]
                         + [_ratio_cell(r["impls"].get(n)) for n in peers if n != "splitkv_paged"] for r in mla]))
     return tables
@@ -722,7 +853,7 @@ def _tables(result: dict) -> List[Tuple[str, List[str], List[List[str]]]]:
 def _problems(result: dict) -> List[str]:
     seen: Dict[Tuple[str, str, str], List[str]] = {}
     for r in result["rows"]:
-        where = f"{r['model']} bs{r['batch']} {r['prefix'] // 1024}k {r['case']}"
+        where = f"{r['model']} {_shape(r)} {r['case']}"
         for name, rec in r["impls"].items():
             for key in ("refused", "skipped", "error", "graph_error"):
                 if rec.get(key):
@@ -774,6 +905,143 @@ def format_markdown(result: dict) -> str:
         out += [f"**{title}**", "", "| " + " | ".join(head) + " |", "|---|---|" + "--:|" * (len(head) - 2)]
         out += ["| " + " | ".join(cells) + " |" for cells in body] + [""]
     return "\n".join(out + ["\n\n".join(_footer(result))])
+
+
+# ---- Who is fastest -------------------------------------------------------------------------------------
+
+def _best_time(rec: Optional[dict]) -> Optional[float]:
+    """An implementation's time at a row: its CUDA-graph time (``None``: not timed, or eager calls only)."""
+    return (rec or {}).get("graph") or None
+
+
+def row_ranking(r: dict) -> List[Tuple[str, float]]:
+    """``[(name, µs)]`` of the implementations timed (CUDA graphs) at row record ``r``, fastest first."""
+    timed = [(n, _best_time(rec)) for n, rec in r["impls"].items()]
+    return sorted([(n, t) for n, t in timed if t], key=lambda nt: nt[1])
+
+
+def fastest(result: dict) -> List[dict]:
+    """Row by row: ``{"row", "case", "fastest", "us", "runner_up", "runner_up_us", "margin", "splitkv_us",
+    "splitkv_rank", "best_peer", "best_peer_us", "peer_over_splitkv", "splitkv_over_gather_floor"}`` (``margin``
+    = runner-up ÷ fastest; ``peer_over_splitkv`` = the fastest peer's time ÷ splitkv's, below 1 where a peer
+    wins). splitkv is its token-pool entry; ``splitkv_paged`` counts as splitkv's too, never as a peer."""
+    out = []
+    for r in result["rows"]:
+        ranking = row_ranking(r)
+        if not ranking:
+            continue
+        names = [n for n, _ in ranking]
+        ours = _best_time(r["impls"].get("splitkv"))
+        peers = [(n, t) for n, t in ranking if n not in OWN]
+        floor = r.get("gather_floor_us")
+        out.append(dict(
+            row=f"{r['model']}{' h' + str(r['heads']) if r['model'] == MLA_MODEL else ''} {_shape(r)}",
+            case=r.get("case", ""), fastest=ranking[0][0], us=ranking[0][1],
+            runner_up=ranking[1][0] if len(ranking) > 1 else None,
+            runner_up_us=ranking[1][1] if len(ranking) > 1 else None,
+            margin=ranking[1][1] / ranking[0][1] if len(ranking) > 1 else None,
+            splitkv_us=ours, splitkv_rank=names.index("splitkv") + 1 if "splitkv" in names else None,
+            best_peer=peers[0][0] if peers else None, best_peer_us=peers[0][1] if peers else None,
+            peer_over_splitkv=peers[0][1] / ours if peers and ours else None,
+            splitkv_over_gather_floor=ours / floor if ours and floor else None))
+    return out
+
+
+def not_fastest(result: dict) -> List[dict]:
+    """The rows of :func:`fastest` where a peer is faster than splitkv (token pool) or splitkv has no time."""
+    return [f for f in fastest(result)
+            if f["splitkv_us"] is None or (f["best_peer_us"] is not None and f["best_peer_us"] < f["splitkv_us"])]
+
+
+def _name(n: Optional[str]) -> str:
+    return _LABEL.get(n, n) if n else "–"
+
+
+def fastest_markdown(result: dict) -> str:
+    """The row-by-row table of who is fastest, then the rows where splitkv is not, as Markdown."""
+    rows = fastest(result)
+    lines = ["**Fastest per row** (CUDA-graph µs; margin = runner-up ÷ fastest; best peer ÷ splitkv below 1: "
+             "the peer is faster)", "",
+             "| row | case | fastest | µs | runner-up | margin | best peer | best peer ÷ splitkv |",
+             "|---|---|---|--:|---|--:|---|--:|"]
+    for f in rows:
+        margin = f"{f['margin']:.2f}" if f["margin"] else "–"
+        ratio = f"{f['peer_over_splitkv']:.2f}" if f["peer_over_splitkv"] else "–"
+        lines.append(f"| {f['row']} | {f['case']} | {_name(f['fastest'])} | {_us(f['us'])} | "
+                     f"{_name(f['runner_up'])} | {margin} | {_name(f['best_peer'])} | {ratio} |")
+    lines += ["", "**Where splitkv is not the fastest**", ""]
+    losses = not_fastest(result)
+    if not losses:
+        lines.append(f"Nowhere: splitkv (token pool) is at least as fast as every timed peer on all {len(rows)} "
+                     "rows.")
+    for f in losses:
+        if f["splitkv_us"] is None:
+            lines.append(f"- {f['row']} {f['case']}: splitkv has no time (see the refusals above); fastest "
+                         f"{_name(f['fastest'])} {_us(f['us'])} µs.")
+            continue
+        floor = (f"; splitkv ÷ gather floor {f['splitkv_over_gather_floor']:.2f}"
+                 if f["splitkv_over_gather_floor"] else "")
+        lines.append(f"- {f['row']} {f['case']}: {_name(f['best_peer'])} {_us(f['best_peer_us'])} µs against "
+                     f"splitkv's {_us(f['splitkv_us'])} µs (splitkv {f['splitkv_us'] / f['best_peer_us']:.2f}× "
+                     f"its time{floor}).")
+    return "\n".join(lines)
+
+
+def provenance(result: dict) -> str:
+    """One line: GPU, date, software, command."""
+    libs = ", ".join(f"{k} {v}" for k, v in result.get("libraries", {}).items() if v)
+    cmd = result.get("command") or "python -m splitkv.bench --peers flashinfer,sglang"
+    return (f"Measured on {result['device']} ({result.get('num_sms', '?')} SMs), {result['date']}, torch "
+            f"{result['torch']}, triton {result['triton']}" + (f", {libs}" if libs else "")
+            + f"; {len(result['rows'])} rows; command: `{cmd}`.")
+
+
+#: The markers in docs/benchmarks.md between which :func:`update_docs` writes the results.
+DOCS_BEGIN = "<!-- peers-results:begin (written by python -m splitkv.bench.peers_sweep --report) -->"
+DOCS_END = "<!-- peers-results:end -->"
+
+
+def docs_block(result: dict, json_path: str) -> str:
+    """The results block of the benchmarks page: provenance, the tables (the .md beside the JSON, included as a
+    snippet from ``figures/``, as the page includes its other tables), the plot, who is fastest row by row and
+    where splitkv is not."""
+    stem = os.path.splitext(os.path.basename(json_path))[0]
+    return "\n".join([
+        DOCS_BEGIN, "", provenance(result) + f" Data: [`figures/{stem}.json`](figures/{stem}.json).", "",
+        f'--8<-- "figures/{stem}.md"', "",
+        f"![Each implementation's time ÷ splitkv's per row, {result['device']}](figures/{stem}.png)", "",
+        fastest_markdown(result), "", DOCS_END])
+
+
+def update_docs(docs_path: str, block: str) -> None:
+    """Replace the text between :data:`DOCS_BEGIN` and :data:`DOCS_END` in ``docs_path`` by ``block``.
+
+    Raises:
+        ValueError: when the page lacks the markers.
+    """
+    with open(docs_path) as f:
+        text = f.read()
+    begin, end = text.find(DOCS_BEGIN), text.find(DOCS_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"{docs_path} has no {DOCS_BEGIN!r} ... {DOCS_END!r} block")
+    with open(docs_path, "w") as f:
+        f.write(text[:begin] + block + text[end + len(DOCS_END):])
+
+
+def report(json_path: str, docs: Optional[str] = None, figures: Optional[str] = None) -> dict:
+    """Regenerate a result's .md and plot from its JSON, print who is fastest and where splitkv is not, and
+    with ``docs`` write the results block of that page (no GPU needed)."""
+    with open(json_path) as f:
+        result = json.load(f)
+    _write(result, json_path, figures)
+    print(provenance(result))
+    print(fastest_markdown(result))
+    if docs:
+        if os.path.basename(os.path.dirname(os.path.abspath(json_path))) != "figures":
+            print(f"warning: {json_path} is not in figures/: the page includes figures/ files", file=sys.stderr)
+        update_docs(docs, docs_block(result, json_path))
+        print("wrote the results block of", docs)
+    return result
 
 
 # ---- Wheels -------------------------------------------------------------------------------------------
@@ -834,6 +1102,24 @@ def parser(prog: str = "python -m splitkv.bench.peers_sweep") -> argparse.Argume
     ap.add_argument("--fetch-wheels", nargs="?", const=".whl", default=None, metavar="DIR",
                     help="download the peers' wheels for the GPU machines (CPython 3.12, x86-64) into DIR "
                          "(default .whl) and exit")
+    ap.add_argument("--no-prebuild", action="store_true",
+                    help="with --compile-only: build FlashInfer's modules one by one on first use, not all at once")
+    ap.add_argument("--jit-log", default=None, metavar="PATH", help="with --compile-only: ninja's output here")
+    ap.add_argument("--install-jit", nargs="*", default=None, metavar="ARCHIVE",
+                    help="unpack FlashInfer module archives (of --pack-jit) into FlashInfer's AOT folder, so that "
+                         "those modules load without nvcc (missing files are passed over), and copy the modules "
+                         "built in its JIT folder there too; then exit")
+    ap.add_argument("--pack-jit", default=None, metavar="PATH",
+                    help="write FlashInfer's built modules (JIT and AOT folders) to PATH (.tar.gz; parts of at "
+                         "most --pack-max-mib each: PATH, then -2, -3 ...), copy the JIT-built ones into the AOT "
+                         "folder (so they load without ninja), and exit")
+    ap.add_argument("--pack-max-mib", type=float, default=15.0, metavar="MIB",
+                    help="largest uncompressed part of --pack-jit (default 15: a file the GPU call brings back)")
+    ap.add_argument("--report", default=None, metavar="JSON",
+                    help="regenerate a result's .md and plot, print who is fastest per row and where splitkv is "
+                         "not (no GPU needed); with --docs also the results block of that page")
+    ap.add_argument("--docs", default=None, metavar="PAGE", help="with --report: the page to write (between the "
+                    "peers-results markers), e.g. docs/benchmarks.md")
     return ap
 
 
@@ -865,6 +1151,39 @@ def main(argv=None, prog: str = "python -m splitkv.bench.peers_sweep"):
     args = parser(prog).parse_args(argv)
     if args.fetch_wheels is not None:
         return fetch_wheels(args.fetch_wheels)
+    if args.report:
+        report(args.report, args.docs, args.figures)
+        return 0
+    if args.install_jit is not None:
+        names = []
+        for archive in args.install_jit:
+            if os.path.isfile(archive):
+                try:
+                    import tvm_ffi
+
+                    def verify(path):
+                        cuda_peers.check_driver_link(path)
+                        tvm_ffi.load_module(path)
+                except ImportError:
+                    verify = cuda_peers.check_driver_link
+                names += cuda_peers.install_jit_cache(archive, verify=verify)
+        from flashinfer.jit import env
+
+        adopted = cuda_peers.adopt_jit_builds(str(env.FLASHINFER_JIT_DIR), str(env.FLASHINFER_AOT_DIR))
+        print(f"installed {len(names)} prebuilt FlashInfer modules" + (f": {', '.join(names)}" if names else "")
+              + (f"; {len(adopted)} built here before: {', '.join(adopted)}" if adopted else ""))
+        return 0
+    if args.pack_jit:
+        from flashinfer.jit import env
+
+        cuda_peers.adopt_jit_builds(str(env.FLASHINFER_JIT_DIR), str(env.FLASHINFER_AOT_DIR))  # load without ninja
+        parts = cuda_peers.pack_jit_cache(args.pack_jit, str(env.FLASHINFER_JIT_DIR), str(env.FLASHINFER_AOT_DIR),
+                                          max_bytes=int(args.pack_max_mib * 2**20))
+        for path, names in parts:
+            print(f"{path}: {os.path.getsize(path) / 2**20:.1f} MiB, {len(names)} modules ({', '.join(names)})")
+        if not parts:
+            print("no built FlashInfer module to pack")
+        return 0
     if args.merge:
         parts = []
         for path in args.merge:
@@ -892,7 +1211,7 @@ def main(argv=None, prog: str = "python -m splitkv.bench.peers_sweep"):
         sys.exit("the peers benchmark needs a CUDA GPU (--list, --merge and --fetch-wheels do not)")
     if args.compile_only:
         t0 = time.perf_counter()
-        compile_only(rows, peers)
+        compile_only(rows, peers, own=True, parallel=not args.no_prebuild, log_path=args.jit_log)
         print(f"compiled in {time.perf_counter() - t0:.0f} s")
         return 0
     from .timing import Timer, gpu_tag
@@ -902,7 +1221,8 @@ def main(argv=None, prog: str = "python -m splitkv.bench.peers_sweep"):
     print(f"{torch.cuda.get_device_name()}: {len(rows)} rows, peers {', '.join(peers) or 'none'}; writing {out}",
           flush=True)
     result = run_sweep(rows, peers, out_path=out, timer=Timer(rep_ms=args.rep_ms), eager=args.eager,
-                       quick=args.quick, gather_floor=not args.no_gather_floor)
+                       quick=args.quick, gather_floor=not args.no_gather_floor,
+                       command=" ".join([prog] + list(sys.argv[1:] if argv is None else argv)))
     _write(result, out, args.figures)
     print(f"total {result['elapsed_s']:.0f} s")
     return 0

@@ -196,7 +196,9 @@ def plot_peers(result: dict, path: str) -> str:
         ax.set_yscale("log")
         ax.set_xticks(range(len(mrows)))
         ax.set_xticklabels([(f"h{r['heads']} " if r.get("model") == "deepseek-v3" else "")
-                            + f"bs{r['batch']} {r['prefix'] // 1024}k\n{r.get('case', '')}" for r in mrows],
+                            + (f"bs{r['batch']} " + "/".join(map(str, r["lens"])) if r.get("lens")
+                               else f"bs{r['batch']} {r['prefix'] // 1024}k") + f"\n{r.get('case', '')}"
+                            for r in mrows],
                            fontsize=6, rotation=90)
         ax.set_xlim(-0.6, len(mrows) - 0.4)
         ax.set_ylabel("time ÷ splitkv's", fontsize=8)
