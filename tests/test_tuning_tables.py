@@ -161,6 +161,8 @@ def test_the_h200_gets_the_old_answers():
     assert interp is tuning.table_for(torch.device("cpu")) and interp.interpreter
     assert interp.min_split_tokens() == old.min_split_tokens(True) == 32
     _same_answers(interp, old)
+    if torch.cuda.is_available():
+        return  # the wrappers below answer for this GPU's table there
     # The wrappers (no CUDA here: the interpreter's table).
     for hd, bm, kb, ps in _grid():
         assert tuning.tuned_tile(hd, bm, kb, ps) == old.tuned_tile(hd, bm, kb, ps)
