@@ -697,6 +697,13 @@ def compile_only(rows: Sequence[Row], peers: Sequence[str], own: bool = False, p
     probes: dict = {}
     triton_side = ([n for n in OWN] if own else []) + [n for n in peers if PEERS[n].library != "flashinfer"]
 
+    def probe_and_say(name, row):
+        before = len(probes)
+        rec = probe(name, row, probes)
+        if len(probes) > before:
+            state = "ok" if rec.get("ok") else rec.get("error") or f"refused (rel err {rec['rel_err']:.2e})"
+            print(f"{name:<16} {row.case():<18} {row.dims()}: {rec['seconds']:.1f} s, {state}", flush=True)
+
     def triton_probes():
         for name in triton_side:
             if name in PEERS and cuda_peers.unavailable(name):
@@ -705,11 +712,7 @@ def compile_only(rows: Sequence[Row], peers: Sequence[str], own: bool = False, p
                 if name in PEERS and (sweep_skip(name, row)
                                       or cuda_peers.skip_reason(name, probe_problem(row), row.page_size)):
                     continue
-                before = len(probes)
-                rec = probe(name, row, probes)
-                if len(probes) > before:
-                    state = "ok" if rec.get("ok") else rec.get("error") or f"refused (rel err {rec['rel_err']:.2e})"
-                    print(f"{name:<16} {row.case():<18} {row.dims()}: {rec['seconds']:.1f} s, {state}", flush=True)
+                probe_and_say(name, row)
 
     if parallel:
         t0 = time.perf_counter()
@@ -726,14 +729,9 @@ def compile_only(rows: Sequence[Row], peers: Sequence[str], own: bool = False, p
         for row in rows:
             if sweep_skip(name, row):
                 continue
-            p = probe_problem(row)
-            if cuda_peers.skip_reason(name, p, row.page_size):
+            if cuda_peers.skip_reason(name, probe_problem(row), row.page_size):
                 continue
-            before = len(probes)
-            rec = probe(name, row, probes)
-            if len(probes) > before:
-                state = "ok" if rec.get("ok") else rec.get("error") or f"refused (rel err {rec['rel_err']:.2e})"
-                print(f"{name:<16} {row.case():<18} {row.dims()}: {rec['seconds']:.1f} s, {state}", flush=True)
+            probe_and_say(name, row)
     return [dict(peer=k[0], dims=list(k[1]), kv_dtype=k[2], page_size=k[3], mask=k[4], drafts=k[5], **v)
             for k, v in probes.items()]
 
