@@ -46,12 +46,12 @@ import torch
 import triton
 
 from .extend import extend_attention_fwd
-from .gate import Decline, decline
+from .gate import Decline, admit
 from .launch import capturing
 from .options import VerifyOptions, check_from_env, split_options
 from .paged import flat_pool, token_indices
 from .plan import VerifyPlan, VerifySplitKV
-from .schedule import LaunchLimitError, mean_prefix
+from .schedule import LaunchLimitError, TilePlan, mean_prefix
 from .tuning import SMALL_BATCH_MAX_PREFIX
 from .validate import check_values, check_verify_inputs
 
@@ -158,7 +158,8 @@ def _plan_for(tensors: tuple, meta: dict, opts: VerifyOptions):
             return plan, plan._bind(tensors[6], tensors[7], tensors[8], meta, check=False), key
         except LaunchLimitError as err:  # this step's length passes a limit: decline, as a new call would
             return Decline(str(err)), None, key
-    plan = decline(tensors, meta, opts) or _new_plan(tensors, meta, opts)
+    found = admit(tensors, meta, opts)
+    plan = found if isinstance(found, Decline) else _new_plan(tensors, meta, opts, found)
     step = None
     if isinstance(plan, VerifyPlan):
         step = plan.step
@@ -172,14 +173,15 @@ def _plan_for(tensors: tuple, meta: dict, opts: VerifyOptions):
     return plan, step, key
 
 
-def _new_plan(tensors: tuple, meta: dict, opts: VerifyOptions) -> Union[VerifyPlan, Decline]:
-    """A plan for a call the gate accepted (inputs checked), or the launch limit it passes."""
+def _new_plan(tensors: tuple, meta: dict, opts: VerifyOptions, tile: TilePlan) -> Union[VerifyPlan, Decline]:
+    """A plan for a call the gate accepted (inputs checked) with the tile it checked, or the launch limit
+    it passes."""
     q, k, v = tensors[:3]
     max_bs = max(opts.max_bs or 1, tensors[6].shape[0] - 1)
     runner = get_runner(q, k, v, opts.max_len_extend, max_bs, split_tokens=opts.split_tokens,
                         max_prefix_len=opts.max_prefix_len)
     try:
-        return VerifyPlan(runner, tensors, meta, opts)
+        return VerifyPlan(runner, tensors, meta, opts, tile=tile)
     except LaunchLimitError as err:
         return Decline(str(err))
 

@@ -46,7 +46,7 @@ from .launch import Launcher, _specialization, alignment_bits, capturing, curren
 from .options import VerifyOptions, metadata_of, split_options
 from .resources import rope_dim, shares_rows
 from .schedule import (MAX_GRID_SPLITS, MAX_SPLITS, MERGE_PROGRAMS, SEPARATE_MERGE, SPIN_LIMIT, LaunchLimitError,
-                       SplitPlan, TileConfig, VerifyParams, cdiv, count_splits, device_facts, element_size,
+                       SplitPlan, TileConfig, TilePlan, VerifyParams, cdiv, count_splits, device_facts, element_size,
                        fixed_n_splits, launch_limit_reason, launch_rows, merge_launch_block, merge_unroll, next_pow2,
                        plan_splits, plan_tile, pool_offsets_32, rows_per_tile, workspace_bytes)
 from .validate import check_batch_invariant, check_call, check_output, check_values
@@ -248,8 +248,10 @@ class VerifySplitKV:
             raise TypeError(f"{', '.join(fixed)}: fixed by the runner (VerifySplitKV), not by plan()")
         return split_options({"check": False, **options, **self._limits})
 
-    def _plan(self, tensors: tuple, meta: dict, opts: VerifyOptions, *, attend_draft: bool = True) -> "VerifyPlan":
-        """:meth:`plan` for a call's tensors (:data:`splitkv.options.TENSORS`), metadata and options."""
+    def _plan(self, tensors: tuple, meta: dict, opts: VerifyOptions, *, attend_draft: bool = True,
+              tile: Optional[TilePlan] = None) -> "VerifyPlan":
+        """:meth:`plan` for a call's tensors (:data:`splitkv.options.TENSORS`), metadata and options
+        (``tile``: the gate's, taken where it was planned from this plan's parameters)."""
         dims = check_call(tensors, meta, opts)
         want = (self.num_q_heads, self.num_kv_heads, self.head_dim, self.v_head_dim)
         got = (dims.num_q_heads, dims.num_kv_heads, dims.head_dim, dims.v_head_dim)
@@ -259,7 +261,7 @@ class VerifySplitKV:
             raise ValueError(f"batch of {dims.batch_size} exceeds this runner's max_bs={self.max_bs}")
         if opts.check == "full" and not capturing(tensors[0].device):
             check_values(tensors, meta, opts)
-        return VerifyPlan(self, tensors, meta, opts, attend_draft=attend_draft)
+        return VerifyPlan(self, tensors, meta, opts, attend_draft=attend_draft, tile=tile)
 
     @property
     def _limits(self) -> dict:
@@ -335,7 +337,7 @@ class VerifyPlan:
     """
 
     def __init__(self, runner: VerifySplitKV, tensors: tuple, meta: dict, opts: VerifyOptions, *,
-                 attend_draft: bool = True):
+                 attend_draft: bool = True, tile: Optional[TilePlan] = None):
         r = self.runner = runner
         q_extend, k_extend, v_extend, _, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices = tensors
         self.batch_size = qo_indptr.shape[0] - 1
@@ -354,7 +356,9 @@ class VerifyPlan:
         self._hold_layer(q_extend, k_extend, v_extend, k_buffer, v_buffer)
         self.params = r.params(self.batch_size, k_buffer.dtype, q_extend.dtype, self.page_size, self.kv_shared,
                                self.window)
-        self.tile = plan_tile(self.params, r.facts, r.table, self.params.prefix(kv_indices.shape[0]))
+        if tile is None or (tile.params, tile.facts) != (self.params, r.facts):  # the gate's tile, where it fits
+            tile = plan_tile(self.params, r.facts, r.table, self.params.prefix(kv_indices.shape[0]))
+        self.tile = tile
         self.config = self.tile.config
         sm_scale = 1.0 / math.sqrt(r.head_dim) if opts.sm_scale is None else opts.sm_scale
         scales = (float(sm_scale) * float(opts.k_scale) * LOG2E, float(sm_scale) * LOG2E,

@@ -66,7 +66,7 @@ from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 from .validate import interpreting
 
-__all__ = ["TunedTable", "DeviceLimits", "table_for", "table_named", "normalise_name", "user_dir", "table_path",
+__all__ = ["TunedTable", "TileRow", "DeviceLimits", "table_for", "table_named", "normalise_name", "user_dir", "table_path",
            "clear_cache", "using", "PACKAGE_TABLES", "DEFAULT_DEVICE", "TUNED_DIR_ENV", "DEFAULT_TILES",
            "SMALL_BATCH_SMS_PER_TILE", "SMALL_BATCH_MAX_PREFIX", "INTERPRETER_MIN_SPLIT_TOKENS",
            # wrappers over table_for, kept for callers not yet moved (see the module docstring)
@@ -366,6 +366,11 @@ class TunedTable:
 
     # -- answers
 
+    def row(self, head_dim: int, block_m: int, kv_bytes: int, page_size: int = 1) -> "TileRow":
+        """Everything a launch takes from the table for one key, in one lookup: :meth:`tile`'s block sizes
+        and K layout with :meth:`programs_per_sm`'s count (the schedule's one read of the table per plan)."""
+        return _row(self, head_dim, block_m, kv_bytes, page_size)
+
     def tile(self, head_dim: int, block_m: int, kv_bytes: int, page_size: int = 1) -> Tile:
         """``(block_n, num_warps, num_stages, k_rows)`` for the widest head dim, BLOCK_M and pool element size.
 
@@ -445,6 +450,24 @@ class TunedTable:
         if row is None:
             return None
         return row["block_n"], row["num_warps"], row["num_stages"], self.k_rows(head_dim, block_m, kv_bytes)
+
+
+@dataclass(frozen=True)
+class TileRow:
+    """A key's launch settings from one table (:meth:`TunedTable.row`): the tile's ``block_n``,
+    ``num_warps``, ``num_stages`` and K layout (``k_rows``), and the programs of it an SM holds."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    k_rows: bool
+    programs_per_sm: int
+
+
+@functools.lru_cache(maxsize=None)
+def _row(table: TunedTable, head_dim: int, block_m: int, kv_bytes: int, page_size: int) -> TileRow:
+    return TileRow(*table.tile(head_dim, block_m, kv_bytes, page_size),
+                   programs_per_sm=table.programs_per_sm(head_dim, block_m, kv_bytes, page_size))
 
 
 @functools.lru_cache(maxsize=None)
@@ -532,6 +555,7 @@ def clear_cache() -> None:
         _warned.clear()
         _nearest.cache_clear()
         _derived_pps.cache_clear()
+        _row.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)

@@ -130,3 +130,28 @@ def test_plan_and_bind_refuse_keywords_that_are_not_theirs():
     for fn in (plan.bind, plan.rebind):
         with pytest.raises(TypeError, match="metadata tensors"):
             fn(p.qo_indptr, p.kv_indptr, p.kv_indices, is_causal=False)
+
+
+def test_a_cold_call_plans_its_tile_once(monkeypatch):
+    """The gate's tile is the plan's: a new signature plans its tile once, for the drop-in and for
+    verify_attention; a plan made apart from the gate plans its own."""
+    import splitkv.gate
+    import splitkv.plan
+
+    calls = []
+
+    def counted(fn):
+        def plan_tile(*args, **kw):
+            calls.append(1)
+            return fn(*args, **kw)
+        return plan_tile
+
+    for module in (splitkv.gate, splitkv.plan):
+        monkeypatch.setattr(module, "plan_tile", counted(module.plan_tile))
+    clear_caches()
+    p = _problem(seed=5)
+    assert verify_splitkv_fwd(*p.args(p.new_output()), **p.kwargs()) and len(calls) == 1
+    verify_attention(*p.tensors(None), **dict(p.options(), check=True))
+    assert len(calls) == 2  # another signature (checked): its own gate, its own tile
+    _plan(p)
+    assert len(calls) == 3

@@ -443,3 +443,59 @@ def test_odd_names_normalise_to_safe_file_names(name, stem):
 def test_a_long_name_is_cut():
     stem = tuning.normalise_name("GPU " * 200)
     assert len(stem) <= 100 and re.fullmatch(r"[a-z0-9_]+", stem) and not stem.endswith("_")
+
+
+# ---------------------------------------------------------------------------- the plan reads the device's own table
+
+
+def _plan_tile(table, props, head_dim=128, group=4, batch=8, prefix=4096):
+    from splitkv.schedule import DeviceFacts, VerifyParams, plan_tile
+
+    p = VerifyParams(8 * group, 8, head_dim, head_dim, 4, batch, torch.bfloat16, torch.bfloat16)
+    facts = DeviceFacts(props["multi_processor_count"], props["shared_memory_per_block_optin"], False)
+    return p, plan_tile(p, facts, table, prefix)
+
+
+def test_a_tuned_gpus_plan_takes_tile_and_programs_per_sm_from_one_row_of_its_own_table(tmp_path):
+    """A user table for another GPU whose every tile row says (32 keys, 8 warps, 3 stages, 3 programs per SM):
+    its plans take that tile and that count, where the H200's table gives another tile."""
+    data = tuning.table_named(H200).to_json()
+    for row in data["tiles"] + data["paged_tiles"]:
+        row.update(block_n=32, num_warps=8, num_stages=3, programs_per_sm=3)
+    data.update(device=A100_PROPS["name"], small_batch_tiles=[])
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / "nvidia_a100_sxm4_80gb.json").write_text(json.dumps(data))
+    table = tuning.table_named(A100_PROPS["name"], _limits(A100_PROPS))
+    assert table.measured and table.source.startswith(str(tmp_path / "user"))
+    p, tile = _plan_tile(table, A100_PROPS)
+    key = (128, tile.config.block_m, 2)
+    cfg = tile.config
+    assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.k_rows) == (32, 8, 3, table.tiles[key].get("k_rows", False))
+    assert tile.programs_per_sm == 3
+    _, h200_tile = _plan_tile(tuning.table_named(H200), A100_PROPS)
+    assert h200_tile.config != cfg and h200_tile.programs_per_sm == tuning.table_named(H200).tiles[key]["programs_per_sm"]
+
+
+#: A GPU with 64 KB of shared memory per SM and block: the H200's head-dim-256 tiles do not fit it.
+SMALL_PROPS = dict(RTX4090_PROPS, name="small gpu", shared_memory_per_multiprocessor=65536,
+                   shared_memory_per_block_optin=65536)
+
+
+@pytest.mark.parametrize("props, head_dim", [(RTX4090_PROPS, 128), (SMALL_PROPS, 256)])
+def test_an_untuned_gpus_plan_gets_a_tile_that_fits_its_shared_memory(props, head_dim):
+    """A GPU without a table: its plan shrinks the H200's tile until the shared-memory model says it fits the
+    GPU's, and counts the programs per SM derived from the GPU's own limits."""
+    from splitkv.resources import shared_memory_bytes
+    from splitkv.schedule import TileConfig
+
+    table = tuning.table_named(props["name"], _limits(props), notice=False)
+    assert not table.measured
+    p, tile = _plan_tile(table, props, head_dim=head_dim)
+    limit = props["shared_memory_per_block_optin"]
+    assert shared_memory_bytes(tile.config, head_dim, head_dim, p.kv_dtype, p.q_dtype, 1, 4) <= limit
+    row = table.row(head_dim, tile.config.block_m, 2)
+    tuned = TileConfig(tile.config.block_m, row.block_n, row.num_warps, row.num_stages, row.k_rows)
+    fits = shared_memory_bytes(tuned, head_dim, head_dim, p.kv_dtype, p.q_dtype, 1, 4) <= limit
+    assert (tile.config == tuned) == fits and fits == (props is RTX4090_PROPS)
+    assert tile.programs_per_sm == table.programs_per_sm(head_dim, tile.config.block_m, 2)
+    assert 1 <= tile.programs_per_sm <= tuning.table_named(H200).programs_per_sm(head_dim, tile.config.block_m, 2)
