@@ -43,7 +43,6 @@ from collections import OrderedDict
 from typing import Optional, Tuple, Union
 
 import torch
-import triton
 
 from .extend import extend_attention_fwd
 from .gate import Decline, admit
@@ -51,6 +50,7 @@ from .launch import capturing
 from .options import VerifyOptions, check_from_env, split_options
 from .paged import flat_pool, token_indices
 from .plan import VerifyPlan, VerifySplitKV
+from .resources import OutOfDeviceResources
 from .schedule import LaunchLimitError, TilePlan, mean_prefix
 from .tuning import SMALL_BATCH_MAX_PREFIX
 from .validate import check_values, check_verify_inputs
@@ -203,8 +203,8 @@ def _serve(tensors: tuple, meta: dict, opts: VerifyOptions) -> Tuple[Optional[De
     try:
         # The plan's cache key fixed the tensors' devices, dtypes, shapes and strides: no check again.
         plan._run(step, q, k, v, kb, vb, o, o if lse is None else lse)
-    except triton.OutOfResources as err:
-        found = Decline(f"resources: {err}")
+    except OutOfDeviceResources as err:
+        found = Decline(str(err))
         if key is not None:
             _CACHES.plans[key] = found
         return found, None

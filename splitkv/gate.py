@@ -13,7 +13,9 @@ with any of the score features: ``logit_cap``, a sliding window (with
 a token pool or a paged pool (``kv_last_page_len``). So it declines only a
 custom mask on the prefix, sizes past a launch limit, head dims whose
 smallest tile does not fit the device's shared memory
-(:mod:`splitkv.resources`), bfloat16 under the interpreter, and malformed input.
+(:mod:`splitkv.resources`), a tile whose compile ran out of the device's
+resources before (:func:`splitkv.resources.refuse`), bfloat16 under the
+interpreter, and malformed input.
 
 The gate decides from shapes, dtypes, devices and Python scalars alone. It
 never reads a tensor's values: the verify step runs inside captured CUDA
@@ -30,7 +32,7 @@ import torch
 
 from . import tuning
 from .options import VerifyOptions, split_options
-from .resources import rope_dim, shares_rows
+from .resources import refusal, rope_dim, shares_rows
 from .schedule import (MAX_SPLITS, TilePlan, VerifyParams, block_m_for, device_facts, fixed_n_splits, head_tiles,
                        launch_limit_reason, plan_tile, rows_per_tile)
 from .validate import Dims, check_call
@@ -95,9 +97,11 @@ def _tile(dims: Dims, opts: VerifyOptions, q, k_buffer, v_buffer, kv_len: int) -
                      kv_shared=bool(rope_dim(dims.head_dim, dims.v_head_dim)) and shares_rows(k_buffer, v_buffer),
                      window=opts.window, split_tokens=opts.split_tokens, max_prefix_len=opts.max_prefix_len)
     try:
-        return plan_tile(p, device_facts(q.device), tuning.table_for(q.device), p.prefix(kv_len))
+        tile = plan_tile(p, device_facts(q.device), tuning.table_for(q.device), p.prefix(kv_len))
     except ValueError as err:
         return Decline(str(err))
+    refused = refusal(tile)  # a compile of this tile ran out of the device's resources before
+    return tile if refused is None else Decline(refused)
 
 
 def _launch_limit(dims: Dims, opts: VerifyOptions, keys: int) -> Optional[str]:

@@ -19,9 +19,12 @@ prefixes, a longer tree mask) binds to the same plan. For the simple case a
 plan keeps one bound step (:meth:`VerifyPlan.rebind`); threads that share a
 plan bind steps of their own and pass them to :meth:`VerifyPlan.run`.
 
-The plan remembers two things it learns: the compiled launchers (by their
-constexprs, in the runner) and which merge variants spill registers on the
-GPU (``VerifyPlan.spilling``: those merge in a second launch). Both only grow.
+Everything a plan may launch follows from what it fixed: per split count its
+split plan and, where the slices merge in the verify launch, the same launch
+merged in a second one (:attr:`Step.fallback`), which a run takes when a
+capture has no zeroed counters or the merge programs spill registers. What is
+learned on the way is the runner's, shared by its plans and only growing: the
+compiled launchers (by their constexprs) and which of them spill.
 
 Scratch (partials and counters) is :mod:`splitkv.workspace`'s; faults are
 :mod:`splitkv.errors`'.
@@ -35,6 +38,7 @@ import threading
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
+import triton
 
 from . import tuning
 from . import workspace as _ws
@@ -44,7 +48,7 @@ from .kernels.merge import _merge_kernel
 from .kernels.verify import _verify_kernel
 from .launch import Launcher, _specialization, alignment_bits, capturing, current_stream, free_raw, supports_pdl
 from .options import VerifyOptions, metadata_of, split_options
-from .resources import rope_dim, shares_rows
+from .resources import refuse, rope_dim, shares_rows
 from .schedule import (MAX_GRID_SPLITS, MAX_SPLITS, MERGE_PROGRAMS, SEPARATE_MERGE, SPIN_LIMIT, LaunchLimitError,
                        SplitPlan, TileConfig, TilePlan, VerifyParams, cdiv, count_splits, device_facts, element_size,
                        fixed_n_splits, launch_limit_reason, launch_rows, merge_launch_block, merge_unroll, next_pow2,
@@ -154,6 +158,8 @@ class VerifySplitKV:
             self._workspace = _ws.Workspace(workspace, max_bs * self.head_tiles)
         self._launchers: Dict[tuple, Launcher] = {}
         self._launchers_lock = threading.Lock()
+        #: verify launchers whose kernel spills registers with merge programs (learned when one compiles)
+        self._spilling: set = set()
 
     def params(self, batch_size: Optional[int], kv_dtype: torch.dtype, q_dtype: Optional[torch.dtype] = None,
                page_size: int = 1, kv_shared: bool = False, window: Optional[int] = None) -> VerifyParams:
@@ -300,6 +306,9 @@ class Step(NamedTuple):
         merge_scalars: the second merge launch's scalars.
         launch: the verify kernel's launcher for ``split``.
         merge: the second merge launch's launcher, or ``None``.
+        fallback: where ``split`` merges in the verify launch, the same launch merged in a second one
+            ``(split plan, spec, launcher, merge launcher)``: what a run takes when no zeroed counters are to
+            be had (inside a capture) or the merge programs turn out to spill.
     """
 
     split: SplitPlan
@@ -312,28 +321,35 @@ class Step(NamedTuple):
     merge_scalars: tuple
     launch: Launcher
     merge: Optional[Launcher]
+    fallback: Optional[tuple]
+
+
+class _Seen(threading.local):
+    """A plan's per-thread memo: the lengths the thread bound last and what they launch (:meth:`VerifyPlan._size`)."""
+
+    sized: Optional[tuple] = None
 
 
 class VerifyPlan:
     """One step shape's verify launch, fixed; :meth:`run` launches it for a layer and a step.
 
-    Made by :meth:`VerifySplitKV.plan`. Running a plan changes nothing in it; :meth:`rebind`
+    Made by :meth:`VerifySplitKV.plan`. Binding and running assign nothing in a plan; :meth:`rebind`
     replaces the step it keeps bound, and :meth:`bind` makes a step without touching the plan
-    (for threads that share a plan: each binds its own and passes it to :meth:`run`).
+    (for threads that share a plan: each binds its own and passes it to :meth:`run`). Per thread the
+    plan keeps a memo of the lengths bound last, which is what :attr:`n_splits` and the like describe.
 
     Attributes:
         params: what the schedule planned from (:class:`splitkv.schedule.VerifyParams`).
         tile: the tile (:class:`splitkv.schedule.TilePlan`); ``config`` its shape.
         step: the bound step (:class:`Step`), ``None`` after :meth:`release`.
         batch_size: sequences in the step.
-        n_splits, grid, merge, fused, scratch_bytes: what the step bound last launches (its
-            :class:`splitkv.schedule.SplitPlan`; for introspection: each step carries its own).
+        n_splits, grid, merge, fused, scratch_bytes: what the step this thread bound last launches
+            (else the plan's own step; its :class:`splitkv.schedule.SplitPlan`, for introspection:
+            each step carries its own).
         offsets_32: whether the pools are small enough for 32-bit gather offsets.
         kv_shared, draft_shared: a head in two chunks (MLA) whose V is a view
             of K's first ``Dv`` columns in the pools, in the draft block: the
             kernel loads those rows once for both.
-        spilling: merge-program variants that spill registers on this device (learned when one first
-            compiles): their launches merge in a second launch (see docs/design.md).
     """
 
     def __init__(self, runner: VerifySplitKV, tensors: tuple, meta: dict, opts: VerifyOptions, *,
@@ -375,11 +391,12 @@ class VerifyPlan:
             IS_CAUSAL=opts.is_causal, HAS_LOGIT_CAP=opts.logit_cap > 0, HAS_XAI_TEMP=opts.xai_len > 0,
             ATTEND_DRAFT=bool(attend_draft), HAS_SINKS=meta["sinks"] is not None, WRITE_LSE=opts.return_lse)
         self._pdl = supports_pdl(self.device)
-        self.spilling: set = set()
+        # Memos of pure functions of the plan (split plans per count, launchers per variant): filled on
+        # first use, equal whoever fills them.
         self._splits: Dict[Tuple[int, bool], SplitPlan] = {}
         self._variants: Dict[tuple, Tuple[Launcher, Optional[Launcher]]] = {}
+        self._seen = _Seen()  # per thread: the lengths it bound last and what they launch
         self.step: Optional[Step] = None
-        self._sized = None  # the last lengths bound and what they launch (a memo)
         self.rebind(qo_indptr, kv_indptr, kv_indices, **meta)
 
     def _hold_layer(self, q_extend, k_extend, v_extend, k_buffer, v_buffer) -> None:
@@ -463,17 +480,18 @@ class VerifyPlan:
         m, ptrs, dtypes = self._metadata(qo_indptr, kv_indptr, kv_indices, meta, check)
         mask = meta["custom_mask"]
         lengths = (kv_indices.shape[0], mask.numel() if mask is not None else 0)
-        sized = self._sized
+        seen = self._seen
+        sized = seen.sized
         if sized is None or sized[0] != lengths:  # the lengths changed: the split count may have
-            sized = self._sized = (lengths, self._size(*lengths))
-        split, tail, spec, merge_scalars, launch, merge = sized[1]
-        self._last = split  # introspection only: what the step bound last launches
+            sized = seen.sized = (lengths, self._size(*lengths))
+        split, tail, spec, merge_scalars, launch, merge, fallback = sized[1]
         return Step(split, lengths[0], m, ptrs, (self._layer[6:], dtypes, alignment_bits(ptrs)), tail, spec,
-                    merge_scalars, launch, merge)
+                    merge_scalars, launch, merge, fallback)
 
     def _size(self, kv_len: int, mask_len: int) -> tuple:
         """What a step of these lengths launches: ``(split plan, scalars, their specialisation, the second
-        merge's scalars, launchers)`` (:meth:`_bind` keeps the last, as steps' lengths repeat)."""
+        merge's scalars, launchers, the fallback)`` (:meth:`_bind` keeps the last per thread, as steps'
+        lengths repeat). Merge programs whose kernel is known to spill give way to the second launch."""
         n = count_splits(self.params, self.tile, self.runner.facts, self.runner.table, self.params.prefix(kv_len))
         reason = launch_limit_reason(self.tile.tiles, n, kv_len * self.page_size)
         if reason is not None:
@@ -484,9 +502,16 @@ class VerifyPlan:
             raise ValueError("the workspace is too small for this call's slices")
         scales, sizes, rest = self._fixed_scalars
         tail = scales + sizes + (kv_len, mask_len, n) + rest + self._strides
-        spec = (self._fixed_spec, _specialization((kv_len, mask_len, n)), split.lse_offset < 2**31)
+        spec = (self._fixed_spec, _specialization((kv_len, mask_len, n)))
         merge_scalars = (self.num_tokens, kv_len, n, self.tile.min_split, self.window or 0)
-        return (split, tail, spec, merge_scalars, *self._launchers_for(split))
+        fallback = None
+        if split.merge is not None and split.merge != SEPARATE_MERGE:
+            separate = self._split(n, True)
+            fallback = (separate, spec + (separate.lse_offset < 2**31,), *self._launchers_for(separate))
+        launch, merge = self._launchers_for(split)
+        if fallback is not None and launch in self.runner._spilling:
+            return (*fallback[:1], tail, fallback[1], merge_scalars, *fallback[2:], None)
+        return (split, tail, spec + (split.lse_offset < 2**31,), merge_scalars, launch, merge, fallback)
 
     def _metadata(self, qo_indptr, kv_indptr, kv_indices, meta: dict, check: bool):
         """The kernel's eight metadata tensors (placeholders, never read, for absent ones), their
@@ -518,15 +543,11 @@ class VerifyPlan:
                          m[7].dtype)
 
     def _split(self, n_splits: int, separate: bool = False) -> SplitPlan:
-        """The split plan for ``n_splits`` slices (``separate``: merged in a second launch); a variant of
-        merge programs known to spill merges in a second launch."""
+        """The split plan for ``n_splits`` slices (``separate``: merged in a second launch)."""
         key = (n_splits, separate)
         split = self._splits.get(key)
         if split is None:
-            split = plan_splits(self.params, self.tile, n_splits, separate)
-            if split.merge == MERGE_PROGRAMS and _variant(split) in self.spilling:
-                split = plan_splits(self.params, self.tile, n_splits, True)
-            self._splits[key] = split
+            split = self._splits[key] = plan_splits(self.params, self.tile, n_splits, separate)
         return split
 
     def _launchers_for(self, split: SplitPlan) -> Tuple[Launcher, Optional[Launcher]]:
@@ -559,39 +580,42 @@ class VerifyPlan:
         moptions = dict(num_warps=2, **({"launch_pdl": True} if pdl else {}))
         return launch, r._launcher(("merge",) + tuple(mconsts.values()), mconsts, moptions, _merge_kernel)
 
-    def _separate(self, step: Step) -> Step:
-        """``step`` merged in a second launch (a capture with no zeroed counters, or a spilling variant)."""
-        split = self._split(step.split.n_splits, True)
-        launch, merge = self._launchers_for(split)
-        return step._replace(split=split, spec=step.spec[:2] + (split.lse_offset < 2**31,), launch=launch,
-                             merge=merge)
+    # ---- what the step this thread bound last launches (read-only)
 
-    # ---- what the step bound last launches (read-only)
+    @property
+    def _seen_split(self) -> SplitPlan:
+        """The split plan of the step this thread bound last (else of the plan's own step)."""
+        sized = self._seen.sized
+        if sized is not None:
+            return sized[1][0]
+        if self.step is None:
+            raise RuntimeError("this plan was released and this thread bound no step to it")
+        return self.step.split
 
     @property
     def n_splits(self) -> int:
         """The grid's prefix slices."""
-        return self._last.n_splits
+        return self._seen_split.n_splits
 
     @property
     def grid(self) -> Tuple[int, int, int]:
         """``(tiles, n_splits [+ merge programs], 1)``."""
-        return self._last.grid
+        return self._seen_split.grid
 
     @property
     def merge(self) -> Optional[int]:
         """Who merges the slices: None (one slice), LAST_PROGRAM, MERGE_PROGRAMS or SEPARATE_MERGE."""
-        return self._last.merge
+        return self._seen_split.merge
 
     @property
     def fused(self) -> bool:
         """One launch: no merge kernel follows the verify kernel."""
-        return self._last.fused
+        return self._seen_split.fused
 
     @property
     def scratch_bytes(self) -> int:
         """Bytes of partials one run needs, sized as float32 (0 with one slice)."""
-        return self._last.scratch_bytes
+        return self._seen_split.scratch_bytes
 
     # ---- running
 
@@ -617,6 +641,9 @@ class VerifyPlan:
                 :class:`splitkv.errors.VerifyError` for a fault a kernel reported
                 in this run or an earlier launch (:mod:`splitkv.errors`).
             RuntimeError: with no step: after :meth:`release`, until the next :meth:`rebind`.
+            NotImplementedError: :class:`splitkv.resources.OutOfDeviceResources`, the split path's
+                decline, when the kernel's compile runs out of the device's resources (nothing was
+                launched; from then on the gate declines calls of this tile, as :func:`splitkv.can_handle` says).
         """
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
@@ -662,10 +689,13 @@ class VerifyPlan:
         log.raise_pending()
         slot = log.take_slot(capturing(self.device))
         layer = (q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg)
-        if self.spilling and _variant(step.split) in self.spilling:  # a step bound before the plan learnt it
-            step = self._separate(step)
-        if not self._launch_once(step, layer, slot):
-            self._launch_once(self._separate(step), layer, slot)
+        try:
+            if not self._launch_once(step, layer, slot):
+                split, spec, launch, merge = step.fallback
+                self._launch_once(step._replace(split=split, spec=spec, launch=launch, merge=merge, fallback=None),
+                                  layer, slot)
+        except triton.OutOfResources as err:  # the shared-memory model under-estimated this tile
+            raise refuse(self.tile, str(err)) from err
         log.raise_pending()
 
     def _launch_once(self, step: Step, layer: tuple, slot: int) -> bool:
@@ -697,7 +727,7 @@ class VerifyPlan:
                 if split.merge == MERGE_PROGRAMS and step.launch.spills(args, split.grid):
                     # Merge programs share the verify kernel's registers: where they would make the
                     # slices' loop spill, a second merge launch is faster (see docs/design.md).
-                    self._learn_spills(split)
+                    self._learn_spills(step)
                     return False
                 step.launch(split.grid, args, stream, key)  # compiles
             if step.merge is not None:
@@ -707,13 +737,13 @@ class VerifyPlan:
                 free_raw(block)  # back to the cache, for what this stream runs next
         return True
 
-    def _learn_spills(self, split: SplitPlan) -> None:
-        """Record that ``split``'s merge-program variant spills: its split plans merge in a second launch."""
-        self.spilling.add(_variant(split))
-        self._splits = {k: v for k, v in self._splits.items() if _variant(v) not in self.spilling}
-        self._sized = None
-        if _variant(self._last) in self.spilling:  # what the step bound last now launches
-            self._last = self._split(self._last.n_splits)
+    def _learn_spills(self, step: Step) -> None:
+        """Record with the runner that ``step``'s merge-program launcher spills: steps bound from now on
+        merge in a second launch (this thread's last lengths are sized again, so that it says so)."""
+        self.runner._spilling.add(step.launch)
+        seen = self._seen
+        if seen.sized is not None and seen.sized[1][4] is step.launch:
+            seen.sized = (seen.sized[0], self._size(*seen.sized[0]))
 
     def _scratch(self, step: Step, stream: Optional[int], key: tuple):
         """This run's ``(partials, address, counters, address, raw block to free)``; ``None`` (nothing

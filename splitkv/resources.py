@@ -69,7 +69,8 @@ import torch
 from .tile import TileConfig
 
 __all__ = ["shared_memory_bytes", "device_shared_memory", "fit_tile", "shared_memory_reason", "tile_candidates",
-           "rope_dim", "shares_rows", "H200_SHARED_MEMORY", "CALIBRATION"]
+           "rope_dim", "shares_rows", "H200_SHARED_MEMORY", "CALIBRATION", "OutOfDeviceResources", "refuse",
+           "refusal"]
 
 #: The H200's (and H100's) per-block opt-in shared memory: 227 KB, what Triton's launch checks against.
 H200_SHARED_MEMORY = 232448
@@ -237,3 +238,26 @@ def shared_memory_reason(config: TileConfig, head_dim: int, v_head_dim: int, kv_
     return (f"shared memory: the smallest tile for head dims {dims} "
             f"({tile.block_m} rows, {tile.block_n} keys, {tile.num_stages} stage{'s' if tile.num_stages > 1 else ''}) "
             f"needs {need} bytes, the device has {limit}")
+
+
+class OutOfDeviceResources(NotImplementedError):
+    """The split path declines a plan whose kernel the device cannot hold: Triton's compile raised
+    ``OutOfResources`` (a tile the shared-memory model under-estimated). What :meth:`splitkv.VerifyPlan.run`
+    raises, as context parallelism raises ``NotImplementedError`` for the calls it declines; the drop-in
+    returns ``False`` and :func:`splitkv.verify_attention` runs the baseline instead."""
+
+
+#: Tiles (:class:`splitkv.schedule.TilePlan`) whose kernel did not compile for lack of resources, with why:
+#: the gate declines them from then on, so ``can_handle`` says what a call would do.
+_REFUSED: dict = {}
+
+
+def refuse(tile, reason: str) -> OutOfDeviceResources:
+    """Record that ``tile``'s kernel does not fit the device (every later gate declines it); the decline."""
+    _REFUSED[tile] = reason = f"resources: {reason}"
+    return OutOfDeviceResources(reason)
+
+
+def refusal(tile) -> Optional[str]:
+    """Why ``tile``'s kernel did not compile on its device, or ``None`` (never tried, or it fitted)."""
+    return _REFUSED.get(tile)

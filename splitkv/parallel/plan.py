@@ -281,6 +281,9 @@ class ContextParallelPlan:
                 after the all-gather: no rank is left waiting in it); with a
                 checked plan, :class:`splitkv.errors.VerifyError` for a fault the
                 local kernel found.
+            NotImplementedError: :class:`splitkv.resources.OutOfDeviceResources` where the local
+                kernel's compile runs out of the device's resources, before the all-gather (every
+                rank compiles the same kernel for the same device, so every rank declines alike).
         """
         if self.world_size > 1:
             self.run_local(q_extend, k_extend, v_extend, k_buffer, v_buffer)
