@@ -281,11 +281,10 @@ def verify_splitkv_fwd(
     for name, t in (("custom_mask", custom_mask), ("mask_indptr", mask_indptr)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
-    opts = VerifyOptions(
-        max_len_extend=max_len_extend, is_causal=is_causal, k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale,
-        logit_cap=logit_cap, skip_prefix_custom_mask=skip_prefix_custom_mask, sliding_window_size=sliding_window_size,
-        xai_temperature_len=xai_temperature_len, max_bs=max_bs, split_tokens=split_tokens,
-        max_prefix_len=max_prefix_len, check=check_from_env() if check is None else check).checked()
+    scalars = (max_len_extend, is_causal, k_scale, v_scale, sm_scale, logit_cap, skip_prefix_custom_mask,
+               sliding_window_size, xai_temperature_len, max_bs, split_tokens, max_prefix_len,
+               check_from_env() if check is None else check)
+    opts = _dropin_options(scalars)
     meta = dict(custom_mask=custom_mask, mask_indptr=mask_indptr, sinks=sinks, window_kv_offsets=window_kv_offsets,
                 kv_last_page_len=kv_last_page_len)
     tensors = (q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)
@@ -297,6 +296,32 @@ def verify_splitkv_fwd(
             check_values(tensors, meta, opts)  # name the bad sequence and field where the values say it
         raise ValueError(declined.reason)
     return False
+
+
+#: The drop-in's options by its scalar arguments (a memo: an eager call need not build them again).
+_DROPIN_OPTIONS: dict = {}
+
+
+def _dropin_options(scalars: tuple) -> VerifyOptions:
+    """:class:`VerifyOptions` of the drop-in's scalar arguments (in :class:`VerifyOptions`' order), checked.
+
+    Arguments whose type :meth:`VerifyOptions.checked` refuses compare equal to ones it takes
+    (``1 == True``), so only those of the checked types are looked up in the memo.
+    """
+    max_len_extend, is_causal, check = scalars[0], scalars[1], scalars[-1]
+    typed = type(max_len_extend) is int and type(is_causal) is bool and (check is True or check is False
+                                                                          or check == "full")
+    try:
+        opts = _DROPIN_OPTIONS.get(scalars) if typed else None
+    except TypeError:  # an unhashable argument: checked (or served) without the memo
+        return VerifyOptions(*scalars).checked()
+    if opts is None:
+        opts = VerifyOptions(*scalars).checked()
+        if typed:
+            if len(_DROPIN_OPTIONS) >= PLAN_CACHE_SIZE:
+                _DROPIN_OPTIONS.clear()
+            _DROPIN_OPTIONS[scalars] = opts
+    return opts
 
 
 def verify_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,

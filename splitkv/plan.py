@@ -160,6 +160,7 @@ class VerifySplitKV:
         self._launchers_lock = threading.Lock()
         #: verify launchers whose kernel spills registers with merge programs (learned when one compiles)
         self._spilling: set = set()
+        self._numbers: Dict[tuple, int] = {}  # launch-key parts by number (:meth:`VerifyPlan._spec_id`)
 
     def params(self, batch_size: Optional[int], kv_dtype: torch.dtype, q_dtype: Optional[torch.dtype] = None,
                page_size: int = 1, kv_shared: bool = False, window: Optional[int] = None) -> VerifyParams:
@@ -283,6 +284,15 @@ class VerifySplitKV:
                 launcher = self._launchers.setdefault(key, Launcher(fn, constexprs, options))
         return launcher
 
+    def _number(self, part: tuple) -> int:
+        """A number for ``part`` of a launch key, the same for equal parts (the launchers' keys are this
+        runner's: its plans share them)."""
+        number = self._numbers.get(part)
+        if number is None:
+            with self._launchers_lock:
+                number = self._numbers.setdefault(part, len(self._numbers))
+        return number
+
     def __call__(self, q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr,
                  kv_indices, **options):
         """Plan and run in one go; writes and returns ``o_extend``. ``options``: :meth:`plan`'s keywords
@@ -300,24 +310,24 @@ class Step(NamedTuple):
         kv_len: entries of ``kv_indices``.
         meta: the kernel's eight metadata tensors (absent ones stood for by placeholders, never read).
         meta_ptrs: their addresses.
-        static_key: what the compiled kernel is specialised on that the metadata fixes.
+        key: what the compiled kernel is specialised on that the plan, the lengths and the metadata fix:
+            ``(the runner's number for the plan's and the lengths' part, the metadata's dtypes where
+            they are not the plan's, else None, their 16-byte alignment)``.
         tail: the kernel's scalar arguments and strides.
-        spec: what the compiled kernel is specialised on among ``tail``.
         merge_scalars: the second merge launch's scalars.
         launch: the verify kernel's launcher for ``split``.
         merge: the second merge launch's launcher, or ``None``.
         fallback: where ``split`` merges in the verify launch, the same launch merged in a second one
-            ``(split plan, spec, launcher, merge launcher)``: what a run takes when no zeroed counters are to
-            be had (inside a capture) or the merge programs turn out to spill.
+            ``(split plan, its key's first entry, launcher, merge launcher)``: what a run takes when no zeroed
+            counters are to be had (inside a capture) or the merge programs turn out to spill.
     """
 
     split: SplitPlan
     kv_len: int
     meta: tuple
     meta_ptrs: tuple
-    static_key: tuple
+    key: tuple
     tail: tuple
-    spec: tuple
     merge_scalars: tuple
     launch: Launcher
     merge: Optional[Launcher]
@@ -384,6 +394,7 @@ class VerifyPlan:
                                 self.spin_limit))
         self._fixed_spec = _specialization(sum(self._fixed_scalars, ()) + self._strides)
         self._log = fault_log(self.device)
+        self._log_address = self._log.address
         custom_mask = meta["custom_mask"]
         self._constexprs = self._kernel_constexprs(
             q_extend.dtype, k_buffer.dtype, USE_MASK=custom_mask is not None,
@@ -397,6 +408,7 @@ class VerifyPlan:
         self._variants: Dict[tuple, Tuple[Launcher, Optional[Launcher]]] = {}
         self._seen = _Seen()  # per thread: the lengths it bound last and what they launch
         self.step: Optional[Step] = None
+        self._meta_dtypes = self._metadata(qo_indptr, kv_indptr, kv_indices, meta, True)[2]
         self.rebind(qo_indptr, kv_indptr, kv_indices, **meta)
 
     def _hold_layer(self, q_extend, k_extend, v_extend, k_buffer, v_buffer) -> None:
@@ -404,6 +416,7 @@ class VerifyPlan:
         #: the device index (-1 for the CPU) every tensor of a run must report: the launch
         #: passes addresses, not tensors (see ``run``), so nothing downstream would check it
         self._dev_index = q_extend.get_device()
+        self._cuda = self._dev_index >= 0
         #: what every run's tensors must report: 6 devices (q, k, v, pools, out), then 5 dtypes
         #: (q, k, v, pools; the output's is free: a context-parallel shard writes float32 partials)
         self._layer = (self._dev_index,) * 6 + (q_extend.dtype,) * 3 + (k_buffer.dtype,) * 2
@@ -484,9 +497,9 @@ class VerifyPlan:
         sized = seen.sized
         if sized is None or sized[0] != lengths:  # the lengths changed: the split count may have
             sized = seen.sized = (lengths, self._size(*lengths))
-        split, tail, spec, merge_scalars, launch, merge, fallback = sized[1]
-        return Step(split, lengths[0], m, ptrs, (self._layer[6:], dtypes, alignment_bits(ptrs)), tail, spec,
-                    merge_scalars, launch, merge, fallback)
+        split, tail, spec_id, merge_scalars, launch, merge, fallback = sized[1]
+        return Step(split, lengths[0], m, ptrs, (spec_id, None if dtypes == self._meta_dtypes else dtypes,
+                                                 alignment_bits(ptrs)), tail, merge_scalars, launch, merge, fallback)
 
     def _size(self, kv_len: int, mask_len: int) -> tuple:
         """What a step of these lengths launches: ``(split plan, scalars, their specialisation, the second
@@ -507,11 +520,16 @@ class VerifyPlan:
         fallback = None
         if split.merge is not None and split.merge != SEPARATE_MERGE:
             separate = self._split(n, True)
-            fallback = (separate, spec + (separate.lse_offset < 2**31,), *self._launchers_for(separate))
+            fallback = (separate, self._spec_id(spec, separate), *self._launchers_for(separate))
         launch, merge = self._launchers_for(split)
         if fallback is not None and launch in self.runner._spilling:
             return (*fallback[:1], tail, fallback[1], merge_scalars, *fallback[2:], None)
-        return (split, tail, spec + (split.lse_offset < 2**31,), merge_scalars, launch, merge, fallback)
+        return (split, tail, self._spec_id(spec, split), merge_scalars, launch, merge, fallback)
+
+    def _spec_id(self, spec: tuple, split: SplitPlan) -> int:
+        """The runner's number for what a launch of ``split`` is specialised on that the plan and the
+        lengths fix (``spec``, the layer's and the plan's metadata dtypes): launch keys stay small."""
+        return self.runner._number((spec, split.lse_offset < 2**31, self._layer[6:], self._meta_dtypes))
 
     def _metadata(self, qo_indptr, kv_indptr, kv_indices, meta: dict, check: bool):
         """The kernel's eight metadata tensors (placeholders, never read, for absent ones), their
@@ -539,6 +557,8 @@ class VerifyPlan:
                 m[5].data_ptr() if use_mask else p_kvp,
                 m[6].data_ptr() if use_mask and offsets is not None else p_kvp,
                 m[7].data_ptr() if sinks is not None else p_qo)
+        if not check:  # the entries' cache keys fixed the dtypes: the plan's
+            return m, ptrs, self._meta_dtypes
         return m, ptrs, (m[0].dtype, m[1].dtype, m[2].dtype, m[3].dtype, m[4].dtype, m[5].dtype, m[6].dtype,
                          m[7].dtype)
 
@@ -687,40 +707,42 @@ class VerifyPlan:
         """
         log = self._log
         log.raise_pending()
-        slot = log.take_slot(capturing(self.device))
+        captured = self._cuda and torch.cuda.is_current_stream_capturing()
+        slot = log.take_slot(captured)
         layer = (q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg)
         try:
-            if not self._launch_once(step, layer, slot):
-                split, spec, launch, merge = step.fallback
-                self._launch_once(step._replace(split=split, spec=spec, launch=launch, merge=merge, fallback=None),
-                                  layer, slot)
+            if not self._launch_once(step, layer, slot, captured):
+                split, spec_id, launch, merge = step.fallback
+                self._launch_once(step._replace(split=split, key=(spec_id, *step.key[1:]), launch=launch,
+                                                merge=merge, fallback=None), layer, slot, captured)
         except triton.OutOfResources as err:  # the shared-memory model under-estimated this tile
             raise refuse(self.tile, str(err)) from err
         log.raise_pending()
 
-    def _launch_once(self, step: Step, layer: tuple, slot: int) -> bool:
+    def _launch_once(self, step: Step, layer: tuple, slot: int, captured: bool) -> bool:
         """:meth:`_run`'s launches; ``False`` (nothing launched) when this launch must merge in a second launch."""
         q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg = layer
         stream = current_stream(self._dev_index) if self._dev_index >= 0 else None
         # The addresses serve twice: the launch key's alignment bits, and the launch itself
         # (Launcher.run_ptrs: Triton would otherwise ask the driver about each tensor again).
         # The metadata's were taken when the step was bound.
-        ptrs = tuple(t.data_ptr() for t in layer)
+        ptrs = (q_extend.data_ptr(), k_extend.data_ptr(), v_extend.data_ptr(), k_buffer.data_ptr(),
+                v_buffer.data_ptr(), out.data_ptr(), lse_arg.data_ptr())
         if (self.kv_shared and ptrs[3] != ptrs[4]) or (self.draft_shared and ptrs[1] != ptrs[2]):
             raise ValueError("this plan reads V from K's rows (v_buffer / v_extend views of k_buffer / k_extend); "
                              "this run's V is another tensor: plan again")
         strides = (out.stride(0), out.stride(1))
         # The scratch's alignment is not in the key: it is always 16-byte aligned (a workspace's
         # carve-out, allocator blocks, counter slices padded to 16 bytes, null addresses).
-        key = (step.spec, step.static_key, out.dtype, *strides, alignment_bits(ptrs))
-        scratch = self._scratch(step, stream, key)
+        key = (*step.key, out.dtype, *strides, alignment_bits(ptrs))
+        scratch = self._scratch(step, stream, key, captured)
         if scratch is None:
             return False
         parts, p_parts, cnt, p_cnt, block = scratch
         split = step.split
         try:
             if not step.launch.run_ptrs(key, split.grid, (*ptrs, *step.meta_ptrs, p_parts, split.lse_offset, p_cnt,
-                                                          self._log.address, slot, *step.tail, *strides), stream):
+                                                          self._log_address, slot, *step.tail, *strides), stream):
                 if split.n_splits == 1:  # held by no one past this call (a plan may be made inside a graph's pool)
                     parts = cnt = torch.empty(1, dtype=torch.float32, device=self.device)
                 args = (*layer, *step.meta, parts, split.lse_offset, cnt, self._log.words, slot, *step.tail, *strides)
@@ -745,7 +767,7 @@ class VerifyPlan:
         if seen.sized is not None and seen.sized[1][4] is step.launch:
             seen.sized = (seen.sized[0], self._size(*seen.sized[0]))
 
-    def _scratch(self, step: Step, stream: Optional[int], key: tuple):
+    def _scratch(self, step: Step, stream: Optional[int], key: tuple, captured: bool):
         """This run's ``(partials, address, counters, address, raw block to free)``; ``None`` (nothing
         allocated) when a capture has no zeroed counters left for a launch that merges in the grid."""
         split = step.split
@@ -762,7 +784,8 @@ class VerifyPlan:
         block = p_parts if parts is None else 0
         if not split.counters:  # a second merge launch: no counters
             return parts, p_parts, parts, p_parts, block
-        cnt = _ws.counters(self.device, split.counters, None if stream is None else (self._dev_index, stream))
+        cnt = _ws.counters(self.device, split.counters, None if stream is None else (self._dev_index, stream),
+                           captured)
         if cnt is None:  # inside a capture with no zeroed counters left
             if block:
                 free_raw(block)

@@ -60,6 +60,7 @@ import os
 import re
 import threading
 import warnings
+from collections import abc
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
@@ -222,18 +223,29 @@ class DeviceLimits:
 # ---------------------------------------------------------------------------- the table
 
 
+class _Frozen(tuple):
+    """A list of JSON data once frozen (:func:`_freeze` passes it through)."""
+
+
 def _freeze(obj: Any) -> Any:
-    """A read-only deep copy of JSON data: dicts as mapping proxies, lists as tuples."""
-    if isinstance(obj, Mapping):
-        return MappingProxyType({k: _freeze(v) for k, v in obj.items()})
+    """A read-only deep copy of JSON data: dicts as mapping proxies, lists as tuples. Data already frozen
+    is returned as it is (tables are made from frozen files), and only containers cost a call."""
+    if type(obj) is MappingProxyType or type(obj) is _Frozen:
+        return obj
+    if isinstance(obj, abc.Mapping):
+        return MappingProxyType({k: v if type(v) in _SCALARS else _freeze(v) for k, v in obj.items()})
     if isinstance(obj, (list, tuple)):
-        return tuple(_freeze(v) for v in obj)
+        return _Frozen([v if type(v) in _SCALARS else _freeze(v) for v in obj])
     return obj
+
+
+#: What JSON holds that is read-only already.
+_SCALARS = frozenset((str, int, float, bool, type(None)))
 
 
 def _thaw(obj: Any) -> Any:
     """A plain (JSON) deep copy of :func:`_freeze`'s output: dicts and lists again."""
-    if isinstance(obj, Mapping):
+    if isinstance(obj, abc.Mapping):
         return {k: _thaw(v) for k, v in obj.items()}
     if isinstance(obj, tuple):
         return [_thaw(v) for v in obj]
@@ -242,7 +254,7 @@ def _thaw(obj: Any) -> Any:
 
 def _rows(rows, *fields) -> Mapping:
     """Rows (a list of dicts, or an already keyed mapping) keyed by ``fields``, read-only, in their order."""
-    if isinstance(rows, Mapping):
+    if isinstance(rows, abc.Mapping):
         return MappingProxyType({tuple(k): _freeze(r) for k, r in rows.items()})
     return MappingProxyType({tuple(r[f] for f in fields): _freeze(r) for r in rows or ()})
 

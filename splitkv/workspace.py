@@ -84,8 +84,8 @@ class Workspace:
         self.counters.zero_()
 
 
-def counters(device: torch.device, tiles: int, key: Optional[Tuple[int, int]] = None
-             ) -> Optional[torch.Tensor]:
+def counters(device: torch.device, tiles: int, key: Optional[Tuple[int, int]] = None,
+             captured: Optional[bool] = None) -> Optional[torch.Tensor]:
     """Zeroed tile counters (at least ``tiles``) for a launch on ``device``'s current stream, or ``None``.
 
     Eager launches on one stream run one after another, so they share that
@@ -97,9 +97,10 @@ def counters(device: torch.device, tiles: int, key: Optional[Tuple[int, int]] = 
     after the arena was in use): when no arena has room this returns ``None``
     and the plan merges in a second launch, which needs no counters. Arrays
     and arenas are never freed (a captured graph may still use them).
-    ``key``: the stream's :func:`stream_key`, when the caller has it.
+    ``key``: the stream's :func:`stream_key`, ``captured``: whether it is being captured, when the
+    caller has them.
     """
-    if capturing(device):
+    if capturing(device) if captured is None else captured:
         with _LOCK:
             return _arena_slice(device, tiles, allocate=False)
     key = key or stream_key(device)
