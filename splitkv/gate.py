@@ -33,8 +33,7 @@ import torch
 from . import tuning
 from .options import VerifyOptions, split_options
 from .resources import refusal, rope_dim, shares_rows
-from .schedule import (MAX_SPLITS, TilePlan, VerifyParams, block_m_for, device_facts, fixed_n_splits, head_tiles,
-                       launch_limit_reason, plan_tile, rows_per_tile)
+from .schedule import MAX_SPLITS, TilePlan, VerifyParams, device_facts, fixed_n_splits, launch_limit_reason, plan_tile
 from .validate import Dims, check_call
 
 __all__ = ["can_handle", "decline_reason", "Decline", "decline", "admit", "MAX_DRAFT_TOKENS"]
@@ -84,8 +83,11 @@ def admit(tensors: tuple, meta: dict, opts: VerifyOptions) -> Union[Decline, Til
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         return Decline("bfloat16 under the Triton interpreter (its bf16 tl.dot is wrong)")
     kv_len = tensors[8].shape[0]
-    reason = _launch_limit(dims, opts, kv_len * dims.page_size)
-    return Decline(reason) if reason is not None else _tile(dims, opts, q, kb, vb, kv_len)
+    tile = _tile(dims, opts, q, kb, vb, kv_len)
+    if isinstance(tile, Decline):
+        return tile
+    reason = _launch_limit(tile, dims, opts, kv_len * dims.page_size)
+    return tile if reason is None else Decline(reason)
 
 
 def _tile(dims: Dims, opts: VerifyOptions, q, k_buffer, v_buffer, kv_len: int) -> Union[Decline, TilePlan]:
@@ -104,15 +106,14 @@ def _tile(dims: Dims, opts: VerifyOptions, q, k_buffer, v_buffer, kv_len: int) -
     return tile if refused is None else Decline(refused)
 
 
-def _launch_limit(dims: Dims, opts: VerifyOptions, keys: int) -> Optional[str]:
-    """Why a launch for these sizes would pass a CUDA or 32-bit limit, or ``None``.
+def _launch_limit(tile: TilePlan, dims: Dims, opts: VerifyOptions, keys: int) -> Optional[str]:
+    """Why a launch of this tile for these sizes would pass a CUDA or 32-bit limit, or ``None``.
 
-    The grid is ``(batch x head_tiles, n_splits)`` (:func:`splitkv.schedule.launch_limit_reason`):
-    adaptive slices are at most 64, fixed ones ``cdiv(max_prefix_len, split_tokens)``.
+    The grid is ``(batch x head_tiles, n_splits)`` (:func:`splitkv.schedule.launch_limit_reason`, which the
+    plan checks each step's launch with): here for the most sequences the call allows (``max_bs``) and the
+    most slices (64 adaptive ones, or ``cdiv(max_prefix_len, split_tokens)`` fixed ones).
     """
-    block_m = block_m_for(rows_per_tile(dims.group, opts.max_len_extend))
-    tiles = max(dims.batch_size, opts.max_bs or 0) * head_tiles(
-        dims.num_q_heads, dims.num_kv_heads, opts.max_len_extend, block_m)
+    tiles = max(dims.batch_size, opts.max_bs or 0) * tile.head_tiles
     n_splits = MAX_SPLITS if opts.split_tokens is None else fixed_n_splits(opts.max_prefix_len, opts.split_tokens)
     return launch_limit_reason(tiles, n_splits, keys)
 

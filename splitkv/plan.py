@@ -416,7 +416,6 @@ class VerifyPlan:
         #: the device index (-1 for the CPU) every tensor of a run must report: the launch
         #: passes addresses, not tensors (see ``run``), so nothing downstream would check it
         self._dev_index = q_extend.get_device()
-        self._cuda = self._dev_index >= 0
         #: what every run's tensors must report: 6 devices (q, k, v, pools, out), then 5 dtypes
         #: (q, k, v, pools; the output's is free: a context-parallel shard writes float32 partials)
         self._layer = (self._dev_index,) * 6 + (q_extend.dtype,) * 3 + (k_buffer.dtype,) * 2
@@ -707,7 +706,7 @@ class VerifyPlan:
         """
         log = self._log
         log.raise_pending()
-        captured = self._cuda and torch.cuda.is_current_stream_capturing()
+        captured = capturing(self.device)
         slot = log.take_slot(captured)
         layer = (q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg)
         try:

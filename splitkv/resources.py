@@ -69,7 +69,7 @@ import torch
 from .tile import TileConfig
 
 __all__ = ["shared_memory_bytes", "device_shared_memory", "fit_tile", "shared_memory_reason", "tile_candidates",
-           "rope_dim", "shares_rows", "H200_SHARED_MEMORY", "CALIBRATION", "OutOfDeviceResources", "refuse",
+           "rope_dim", "shares_rows", "next_pow2", "H200_SHARED_MEMORY", "CALIBRATION", "OutOfDeviceResources", "refuse",
            "refusal"]
 
 #: The H200's (and H100's) per-block opt-in shared memory: 227 KB, what Triton's launch checks against.
@@ -83,7 +83,8 @@ SLACK = 1024
 CHUNKED_GRANULE = 32768
 
 
-def _pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= max(n, 1)``."""
     return 1 << (max(1, n) - 1).bit_length()
 
 
@@ -149,8 +150,8 @@ def shared_memory_bytes(config: TileConfig, head_dim: int, v_head_dim: int, kv_d
     if rope:  # two exact chunks; a shared row is K and V at once
         qk, row, draft_row = head_dim, head_dim + (0 if kv_shared else v_head_dim), head_dim + v_head_dim
     else:
-        qk = _pow2(head_dim)
-        row = draft_row = qk + _pow2(v_head_dim)
+        qk = next_pow2(head_dim)
+        row = draft_row = qk + next_pow2(v_head_dim)
     wgmma = bm >= 64 and cb == 2
     piped = stages > 1 and _index_pipelined(bn, config.num_warps, page_size)
     nbuf = 1 if stages <= 2 or piped else stages - 1
@@ -162,7 +163,7 @@ def shared_memory_bytes(config: TileConfig, head_dim: int, v_head_dim: int, kv_d
         prefix += bn * row * cb if convert else 0  # the converted K and V the dot reads
     else:
         prefix += bm * bn * cb  # P
-    nd = max(16, min(bn, _pow2(max_len_extend)))
+    nd = max(16, min(bn, next_pow2(max_len_extend)))
     draft = (max(1, stages - 1) + int(wgmma and stages > 1)) * nd * draft_row * cb + (0 if wgmma else bm * nd * cb)
     q = bm * qk * cb
     if not rope:  # a converted pool's prefix loop holds the converted query tile too
@@ -234,7 +235,7 @@ def shared_memory_reason(config: TileConfig, head_dim: int, v_head_dim: int, kv_
                                            kv_shared), t)
                       for t in tile_candidates(config)), key=lambda pair: pair[0])
     rope = rope_dim(head_dim, v_head_dim)
-    dims = f"{v_head_dim}+{rope}/{v_head_dim}" if rope else f"{_pow2(head_dim)}/{_pow2(v_head_dim)}"
+    dims = f"{v_head_dim}+{rope}/{v_head_dim}" if rope else f"{next_pow2(head_dim)}/{next_pow2(v_head_dim)}"
     return (f"shared memory: the smallest tile for head dims {dims} "
             f"({tile.block_m} rows, {tile.block_n} keys, {tile.num_stages} stage{'s' if tile.num_stages > 1 else ''}) "
             f"needs {need} bytes, the device has {limit}")

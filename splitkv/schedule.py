@@ -59,10 +59,9 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-import triton
 
 from .kernels.common import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE
-from .resources import device_shared_memory, fit_tile, shared_memory_reason
+from .resources import device_shared_memory, fit_tile, next_pow2, shared_memory_reason
 from .tile import TileConfig
 
 __all__ = [
@@ -80,11 +79,6 @@ __all__ = [
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative ints."""
     return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    """The smallest power of two ``>= max(n, 1)``."""
-    return 1 << (max(1, n) - 1).bit_length()
 
 
 def element_size(dtype: torch.dtype) -> int:
@@ -106,7 +100,7 @@ def block_m_for(rows: int) -> int:
     At least 16 for the tensor cores; at most 64 to bound the fp32
     accumulator ``BLOCK_M x DV`` (more rows take several row blocks).
     """
-    return min(64, max(16, triton.next_power_of_2(rows)))
+    return min(64, max(16, next_pow2(rows)))
 
 
 def tile_config(head_dim: int, v_head_dim: int, rows: int, interpret: bool = False,

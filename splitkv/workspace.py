@@ -27,6 +27,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .launch import alloc_raw, capturing, current_stream
+from .resources import next_pow2
 from .schedule import GRID_COUNTERS, counter_bytes
 from .validate import device_index
 
@@ -110,7 +111,7 @@ def counters(device: torch.device, tiles: int, key: Optional[Tuple[int, int]] = 
     with _LOCK:
         if arr is not None:
             _OUTGROWN.append(arr)
-        arr = _COUNTERS[key] = _arena_slice(device, max(_MIN_COUNTERS, 1 << (tiles - 1).bit_length()))
+        arr = _COUNTERS[key] = _arena_slice(device, max(_MIN_COUNTERS, next_pow2(tiles)))
     return arr
 
 
