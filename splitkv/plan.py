@@ -730,7 +730,7 @@ class VerifyPlan:
         if (self.kv_shared and ptrs[3] != ptrs[4]) or (self.draft_shared and ptrs[1] != ptrs[2]):
             raise ValueError("this plan reads V from K's rows (v_buffer / v_extend views of k_buffer / k_extend); "
                              "this run's V is another tensor: plan again")
-        strides = (out.stride(0), out.stride(1))
+        strides = out.stride()[:2]
         # The scratch's alignment is not in the key: it is always 16-byte aligned (a workspace's
         # carve-out, allocator blocks, counter slices padded to 16 bytes, null addresses).
         key = (*step.key, out.dtype, *strides, alignment_bits(ptrs))
