@@ -161,11 +161,11 @@ def test_the_h200_gets_the_old_answers():
     assert interp is tuning.table_for(torch.device("cpu")) and interp.interpreter
     assert interp.min_split_tokens() == old.min_split_tokens(True) == 32
     _same_answers(interp, old)
-    # The wrappers (no CUDA here: the interpreter's table).
+    # One row answers as the separate lookups did; and the kept wrappers (no CUDA here: the interpreter's table).
     for hd, bm, kb, ps in _grid():
-        assert tuning.tuned_tile(hd, bm, kb, ps) == old.tuned_tile(hd, bm, kb, ps)
-        assert tuning.programs_per_sm(hd, bm, kb, ps) == old.programs_per_sm(hd, bm, kb, ps)
-        assert tuning.k_rows(hd, bm, kb, ps) == old.k_rows(hd, bm, kb, ps)
+        row = interp.row(hd, bm, kb, ps)
+        assert (row.block_n, row.num_warps, row.num_stages, row.k_rows) == old.tuned_tile(hd, bm, kb, ps)
+        assert row.programs_per_sm == old.programs_per_sm(hd, bm, kb, ps)
     assert tuning.small_batch_tile(128, 16, 2, 1, 132, 4096) == old.small_batch_tile(128, 16, 2, 1, 132, 4096)
     assert tuning.TUNED["tiles"].keys() == old.TUNED["tiles"].keys()
     assert tuning.TUNED["min_split_tokens"] == old.TUNED["min_split_tokens"]
@@ -353,7 +353,7 @@ def test_table_for_a_cuda_device_reads_its_name_and_properties(monkeypatch, prop
     assert tables[0].device_name == props["name"] and tables[0].measured is not untuned
     assert len([w for w in caught if "splitkv.bench.tune" in str(w.message)]) == int(untuned)
     # The wrappers answer for the current device.
-    assert tuning.programs_per_sm(128, 16, 2) == tables[0].programs_per_sm(128, 16, 2)
+    assert tuning.small_batch_tile(128, 16, 2, 1, 132, 4096) == tables[0].small_batch_tile(128, 16, 2, 1, 132, 4096)
     assert tuning.min_split_tokens() == 128
 
 
