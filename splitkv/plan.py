@@ -94,11 +94,13 @@ class VerifySplitKV:
 
     Calling the runner plans and runs in one go; see :meth:`plan` to reuse a plan.
 
-    Threads. A runner and its plans may be shared by threads: planning and running change
-    nothing another thread reads but the memos of compiled launchers (filled under a lock), and
-    each thread binds its own :class:`Step` (:meth:`VerifyPlan.bind`) and passes it to
-    :meth:`VerifyPlan.run`. A plan's own bound step (:meth:`VerifyPlan.rebind`) is one
-    thread's. A caller's ``workspace`` is one stream's at a time.
+    Threads. A runner and its plans may be shared by threads: binding and running assign no
+    attribute of a plan. What they share only grows, and is the same whoever fills it: the
+    runner's compiled launchers and which of them spill (filled under a lock), a plan's split
+    plans per split count. Each thread binds its own :class:`Step` (:meth:`VerifyPlan.bind`) and
+    passes it to :meth:`VerifyPlan.run`; what a plan reports of the step bound last
+    (:attr:`VerifyPlan.n_splits` and the like) is per thread. A plan's own bound step
+    (:meth:`VerifyPlan.rebind`) is one thread's. A caller's ``workspace`` is one stream's at a time.
     """
 
     def __init__(
