@@ -260,8 +260,9 @@ class VerifySplitKV:
     def _plan(self, tensors: tuple, meta: dict, opts: VerifyOptions, *, attend_draft: bool = True,
               tile: Optional[TilePlan] = None) -> "VerifyPlan":
         """:meth:`plan` for a call's tensors (:data:`splitkv.options.TENSORS`), metadata and options
-        (``tile``: the gate's, taken where it was planned from this plan's parameters)."""
-        dims = check_call(tensors, meta, opts)
+        (``tile``: the gate's, which checked the call, taken where it was planned from this plan's
+        parameters)."""
+        dims = check_call(tensors, meta, opts) if tile is None else tile.params
         want = (self.num_q_heads, self.num_kv_heads, self.head_dim, self.v_head_dim)
         got = (dims.num_q_heads, dims.num_kv_heads, dims.head_dim, dims.v_head_dim)
         if got != want:
