@@ -38,9 +38,9 @@ being captured into a CUDA graph.
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections import OrderedDict
-from typing import Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -62,11 +62,13 @@ PLAN_CACHE_SIZE = 512
 
 
 class _Caches(threading.local):
-    """One thread's runners (by head configuration) and plans (by signature; a plan or a decline)."""
+    """One thread's runners (by head configuration) and plans (by signature: ``[a plan or a decline, when it
+    was last used]``; a hit only stamps its entry, which costs no second hash of the signature)."""
 
     def __init__(self):
         self.runners: dict = {}
-        self.plans: "OrderedDict[tuple, Union[VerifyPlan, Decline]]" = OrderedDict()
+        self.plans: "Dict[tuple, list]" = {}
+        self.uses = itertools.count()
 
 
 _CACHES = _Caches()
@@ -143,14 +145,16 @@ def _signature(tensors: tuple, meta: dict, opts: VerifyOptions) -> tuple:
 def _plan_for(tensors: tuple, meta: dict, opts: VerifyOptions):
     """This thread's cached plan for a call, the call's step bound to it (or the gate's decline and
     ``None``), and the cache key (``None``: not cacheable)."""
-    plans = _CACHES.plans
+    caches = _CACHES
+    plans = caches.plans
     try:
         key = _signature(tensors, meta, opts)
-        plan = plans.get(key)  # hashing the key raises TypeError for an unhashable option
+        entry = plans.get(key)  # hashing the key raises TypeError for an unhashable option
     except (AttributeError, TypeError):  # not tensors, or unhashable options: let the gate say why
-        key = plan = None
-    if plan is not None:
-        plans.move_to_end(key)
+        key = entry = None
+    if entry is not None:
+        entry[1] = next(caches.uses)
+        plan = entry[0]
         if not isinstance(plan, VerifyPlan):
             return plan, None, key
         try:
@@ -167,10 +171,17 @@ def _plan_for(tensors: tuple, meta: dict, opts: VerifyOptions):
     if not opts.cacheable:
         key = None
     if key is not None:
-        plans[key] = plan
-        if len(plans) > PLAN_CACHE_SIZE:
-            plans.popitem(last=False)
+        _cache(key, plan)
     return plan, step, key
+
+
+def _cache(key: tuple, plan: Union[VerifyPlan, Decline]) -> None:
+    """Keep ``plan`` for signature ``key`` in this thread's cache, dropping the least recently used past
+    :data:`PLAN_CACHE_SIZE`."""
+    plans = _CACHES.plans
+    plans[key] = [plan, next(_CACHES.uses)]
+    if len(plans) > PLAN_CACHE_SIZE:
+        del plans[min(plans, key=lambda k: plans[k][1])]
 
 
 def _new_plan(tensors: tuple, meta: dict, opts: VerifyOptions, tile: TilePlan) -> Union[VerifyPlan, Decline]:
@@ -206,7 +217,7 @@ def _serve(tensors: tuple, meta: dict, opts: VerifyOptions) -> Tuple[Optional[De
     except OutOfDeviceResources as err:
         found = Decline(str(err))
         if key is not None:
-            _CACHES.plans[key] = found
+            _cache(key, found)
         return found, None
     return None, lse
 

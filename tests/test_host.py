@@ -7,7 +7,7 @@ import pytest
 import torch
 import triton
 
-from conftest import CUDA, DEVICE, assert_matches_reference
+from conftest import CUDA, DEVICE, assert_matches_reference, last_plan
 from splitkv import VerifySplitKV, can_handle, decline_reason, verify_attention, verify_splitkv_fwd
 from splitkv.api import _CACHES, clear_caches
 from splitkv.gate import Decline
@@ -51,7 +51,7 @@ def test_binding_and_running_assign_no_attribute_of_a_plan(monkeypatch):
     p = _problem(prefix=(160, 96), seed=6)
     plan = _plan(p)
     assert verify_splitkv_fwd(*p.args(p.new_output()), **p.kwargs())
-    cached = next(reversed(_CACHES.plans.values()))
+    cached = last_plan()
     assigned = []
     monkeypatch.setattr(VerifyPlan, "__setattr__",
                         lambda self, name, value: assigned.append(name) or object.__setattr__(self, name, value))
@@ -63,7 +63,7 @@ def test_binding_and_running_assign_no_attribute_of_a_plan(monkeypatch):
         o = other.new_output()
         assert verify_splitkv_fwd(*other.args(o), **other.kwargs())
         assert_matches_reference(o, other)
-    assert next(reversed(_CACHES.plans.values())) is cached
+    assert last_plan() is cached
     assert assigned == []
     plan.rebind(p.qo_indptr, p.kv_indptr, p.kv_indices)
     assert assigned == ["step"]
@@ -176,7 +176,7 @@ def test_a_compile_that_runs_out_of_resources_declines(monkeypatch):
     assert verify_splitkv_fwd(*p.args(o), **p.kwargs()) is False
     assert torch.isnan(o).all()
     assert verify_splitkv_fwd(*p.args(o), **p.kwargs()) is False and len(calls) == 1  # declined from the cache
-    cached = next(reversed(_CACHES.plans.values()))
+    cached = last_plan()
     assert isinstance(cached, Decline) and cached.reason.startswith("resources")
     assert not can_handle(*p.tensors(None)[:3], *p.tensors(None)[4:], **p.options())
     assert decline_reason(*p.tensors(None)[:3], *p.tensors(None)[4:], **p.options()).startswith("resources")
@@ -228,3 +228,23 @@ def test_a_cold_call_plans_its_tile_once(monkeypatch):
     assert len(calls) == 2  # another signature (checked): its own gate, its own tile
     _plan(p)
     assert len(calls) == 3
+
+
+def test_the_plan_cache_drops_the_least_recently_used(monkeypatch):
+    """Past PLAN_CACHE_SIZE signatures a new one drops the signature used longest ago, not the oldest made:
+    a plan in use stays cached."""
+    import splitkv.api as api
+
+    monkeypatch.setattr(api, "PLAN_CACHE_SIZE", 2)
+    clear_caches()
+    p = _problem()
+
+    def call(i):  # signatures that differ in their softmax scale
+        assert verify_splitkv_fwd(*p.args(p.new_output()), **dict(p.kwargs(), sm_scale=p.sm_scale * (1 + i)))
+        return last_plan()
+
+    first, second = call(0), call(1)
+    assert call(0) is first  # used again: now the most recent
+    third = call(2)  # drops the second, used longest ago
+    plans = [entry[0] for entry in _CACHES.plans.values()]
+    assert len(plans) == 2 and first in plans and third in plans and second not in plans
