@@ -419,6 +419,7 @@ class VerifyPlan:
         #: the device index (-1 for the CPU) every tensor of a run must report: the launch
         #: passes addresses, not tensors (see ``run``), so nothing downstream would check it
         self._dev_index = q_extend.get_device()
+        self._cuda = self._dev_index >= 0
         #: what every run's tensors must report: 6 devices (q, k, v, pools, out), then 5 dtypes
         #: (q, k, v, pools; the output's is free: a context-parallel shard writes float32 partials)
         self._layer = (self._dev_index,) * 6 + (q_extend.dtype,) * 3 + (k_buffer.dtype,) * 2
@@ -709,7 +710,7 @@ class VerifyPlan:
         """
         log = self._log
         log.raise_pending()
-        captured = capturing(self.device)
+        captured = self._captured()
         slot = log.take_slot(captured)
         layer = (q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg)
         try:
@@ -720,6 +721,11 @@ class VerifyPlan:
         except triton.OutOfResources as err:  # the shared-memory model under-estimated this tile
             raise refuse(self.tile, str(err)) from err
         log.raise_pending()
+
+    def _captured(self) -> bool:
+        """Whether this run is being captured into a CUDA graph (:func:`splitkv.launch.capturing`, without
+        asking a CPU plan's device for its type)."""
+        return self._cuda and torch.cuda.is_current_stream_capturing()
 
     def _launch_once(self, step: Step, layer: tuple, slot: int, captured: bool) -> bool:
         """:meth:`_run`'s launches; ``False`` (nothing launched) when this launch must merge in a second launch."""

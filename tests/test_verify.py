@@ -855,7 +855,6 @@ def test_property_random_shapes(prefix_lens, extend_len, kv_heads, group, head_d
 def test_counters_for_a_stream_first_seen_inside_a_capture(monkeypatch):
     """No zeroing may be recorded into a graph: a new stream inside a capture takes a
     slice of an arena zeroed earlier, or the plan merges in a second launch."""
-    import splitkv.plan as plan_mod
     import splitkv.workspace as workspace_mod
 
     p = make_problem([300, 97], 4, 8, 2, 64, dtype=torch.float32, device=DEVICE, seed=11)
@@ -867,7 +866,7 @@ def test_counters_for_a_stream_first_seen_inside_a_capture(monkeypatch):
 
     monkeypatch.setattr(workspace_mod, "_COUNTERS", {})
     monkeypatch.setattr(workspace_mod, "_ARENAS", {})
-    monkeypatch.setattr(plan_mod, "capturing", lambda device: True)  # what a run asks
+    monkeypatch.setattr(VerifyPlan, "_captured", lambda self: True)  # what a run asks
     pl = plan()
     assert pl.fused
     merges = []
@@ -879,11 +878,11 @@ def test_counters_for_a_stream_first_seen_inside_a_capture(monkeypatch):
     assert not workspace_mod._ARENAS, "nothing may be allocated inside a capture"
     assert_matches_reference(out, p)
 
-    monkeypatch.setattr(plan_mod, "capturing", lambda device: False)
+    monkeypatch.setattr(VerifyPlan, "_captured", lambda self: False)
     plan().run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer)  # eager: the arena is made
     arena = next(iter(workspace_mod._ARENAS.values()))[0]
     monkeypatch.setattr(workspace_mod, "_COUNTERS", {})  # a stream never seen before...
-    monkeypatch.setattr(plan_mod, "capturing", lambda device: True)  # ...inside a capture
+    monkeypatch.setattr(VerifyPlan, "_captured", lambda self: True)  # ...inside a capture
     # A captured launch's counters are its own slice, kept in no per-stream table: catch what it was given.
     handed, real_counters = [], workspace_mod.counters
     monkeypatch.setattr(workspace_mod, "counters", lambda *a, **k: handed.append(real_counters(*a, **k)) or handed[-1])
