@@ -120,18 +120,19 @@ def _signature(tensors: tuple, meta: dict, opts: VerifyOptions) -> tuple:
     q, k, v, o, kb, vb, qo, kvp, kvi = tensors
     cm, mi, sinks = meta["custom_mask"], meta["mask_indptr"], meta["sinks"]
     offsets, last = meta["window_kv_offsets"], meta["kv_last_page_len"]
+    kb_shape, vb_shape, qo_shape, kvi_shape = kb.shape, vb.shape, qo.shape, kvi.shape  # each read costs
     return (
         q.shape, q.stride(), q.dtype, q.get_device(),
         k.shape, k.stride(), k.dtype, k.get_device(),
         v.shape, v.stride(), v.dtype, v.get_device(),
         o.shape, o.stride(), o.dtype, o.get_device(),
-        kb.shape, kb.stride(), kb.dtype, kb.get_device(),
-        vb.shape, vb.stride(), vb.dtype, vb.get_device(),
-        qo.shape, qo.dtype, qo.get_device(), kvp.shape, kvp.dtype, kvp.get_device(),
-        kvi.dim(), kvi.dtype, kvi.get_device(),
-        mean_prefix(kvi.shape[0], kb.shape[1] if kb.dim() == 4 else 1, qo.shape[0] - 1) > SMALL_BATCH_MAX_PREFIX,
+        kb_shape, kb.stride(), kb.dtype, kb.get_device(),
+        vb_shape, vb.stride(), vb.dtype, vb.get_device(),
+        qo_shape, qo.dtype, qo.get_device(), kvp.shape, kvp.dtype, kvp.get_device(),
+        len(kvi_shape), kvi.dtype, kvi.get_device(),
+        mean_prefix(kvi_shape[0], kb_shape[1] if len(kb_shape) == 4 else 1, qo_shape[0] - 1) > SMALL_BATCH_MAX_PREFIX,
         # An MLA plan whose V is a view of K reads V from K's rows: a copy of V needs its own plan.
-        (kb.data_ptr() == vb.data_ptr(), k.data_ptr() == v.data_ptr()) if kb.shape[-1] != vb.shape[-1] else None,
+        (kb.data_ptr() == vb.data_ptr(), k.data_ptr() == v.data_ptr()) if kb_shape[-1] != vb_shape[-1] else None,
         # The optional tensors: their shapes, but a tree mask's length, which grows with the prefixes.
         None if cm is None else (cm.dim(), cm.dtype, cm.get_device()),
         None if mi is None else (mi.shape, mi.dtype, mi.get_device()),
