@@ -154,10 +154,11 @@ class FaultLog:
         else:
             slot = 1 + number % EAGER_SLOTS
             view = self._view
-            for _ in range(EAGER_SLOTS if view is not None else 0):  # skip slots holding unraised reports
-                if not view[slot]:
-                    break
-                slot = 1 + next(self._numbers) % EAGER_SLOTS
+            if view is not None and view[slot]:  # skip slots holding unread reports
+                for _ in range(EAGER_SLOTS):
+                    slot = 1 + next(self._numbers) % EAGER_SLOTS
+                    if not view[slot]:
+                        break
         self._owners[slot] = owner
         return slot
 

@@ -792,8 +792,7 @@ class VerifyPlan:
         block = p_parts if parts is None else 0
         if not split.counters:  # a second merge launch: no counters
             return parts, p_parts, parts, p_parts, block
-        cnt = _ws.counters(self.device, split.counters, None if stream is None else (self._dev_index, stream),
-                           captured)
+        cnt = _ws.counters(self.device, split.counters, _ws.stream_key_of(self._dev_index, stream), captured)
         if cnt is None:  # inside a capture with no zeroed counters left
             if block:
                 free_raw(block)

@@ -31,7 +31,7 @@ from .resources import next_pow2
 from .schedule import GRID_COUNTERS, counter_bytes
 from .validate import device_index
 
-__all__ = ["counters", "new_partials", "Workspace", "stream_key"]
+__all__ = ["counters", "new_partials", "Workspace", "stream_key", "stream_key_of"]
 
 
 #: Counters per (device, stream): ``{(device index, raw stream handle): int32 tensor}``.
@@ -49,10 +49,15 @@ _OUTGROWN: list = []
 
 def stream_key(device: torch.device) -> Tuple[int, int]:
     """``(device index, raw stream handle)`` of ``device``'s current stream."""
-    if device.type != "cuda":
-        return (-1, threading.get_ident())  # the interpreter runs a launch on the calling thread
     index = device_index(device)
-    return (index, current_stream(index))
+    return stream_key_of(index, current_stream(index) if index >= 0 else None)
+
+
+def stream_key_of(index: int, stream: Optional[int]) -> Tuple[int, int]:
+    """:func:`stream_key` of device ``index`` (-1: the CPU) and its current ``stream`` (``None`` on the CPU)."""
+    if index < 0:
+        return (-1, threading.get_ident())  # the interpreter runs a launch on the calling thread
+    return (index, stream)
 
 
 def new_partials(device: torch.device, nbytes: int, stream: Optional[int], raw: bool
