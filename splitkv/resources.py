@@ -70,8 +70,8 @@ import torch
 from .tile import TileConfig
 
 __all__ = ["shared_memory_bytes", "device_shared_memory", "fit_tile", "shared_memory_reason", "tile_candidates",
-           "rope_dim", "shares_rows", "next_pow2", "DeviceLimits", "device_limits", "H200_SHARED_MEMORY", "CALIBRATION", "OutOfDeviceResources", "refuse",
-           "refusal"]
+           "rope_dim", "shares_rows", "next_pow2", "DeviceLimits", "device_limits", "H200_SHARED_MEMORY",
+           "CALIBRATION", "OutOfDeviceResources", "refuse", "refusal"]
 
 #: The H200's (and H100's) per-block opt-in shared memory: 227 KB, what Triton's launch checks against.
 H200_SHARED_MEMORY = 232448

@@ -67,8 +67,8 @@ from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 from .resources import DeviceLimits, device_limits
 from .validate import interpreting
 
-__all__ = ["TunedTable", "TileRow", "DeviceLimits", "table_for", "table_named", "normalise_name", "user_dir", "table_path",
-           "clear_cache", "using", "PACKAGE_TABLES", "DEFAULT_DEVICE", "TUNED_DIR_ENV", "DEFAULT_TILES",
+__all__ = ["TunedTable", "TileRow", "DeviceLimits", "table_for", "table_named", "normalise_name", "user_dir",
+           "table_path", "clear_cache", "using", "PACKAGE_TABLES", "DEFAULT_DEVICE", "TUNED_DIR_ENV", "DEFAULT_TILES",
            "SMALL_BATCH_SMS_PER_TILE", "SMALL_BATCH_MAX_PREFIX", "INTERPRETER_MIN_SPLIT_TOKENS",
            # wrappers over table_for, kept for the notebooks (see the module docstring)
            "TUNED", "TABLE_PATH", "min_split_tokens", "small_batch_tile"]

@@ -473,7 +473,8 @@ def test_a_tuned_gpus_plan_takes_tile_and_programs_per_sm_from_one_row_of_its_ow
     assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.k_rows) == (32, 8, 3, table.tiles[key].get("k_rows", False))
     assert tile.programs_per_sm == 3
     _, h200_tile = _plan_tile(tuning.table_named(H200), A100_PROPS)
-    assert h200_tile.config != cfg and h200_tile.programs_per_sm == tuning.table_named(H200).tiles[key]["programs_per_sm"]
+    assert h200_tile.config != cfg
+    assert h200_tile.programs_per_sm == tuning.table_named(H200).tiles[key]["programs_per_sm"]
 
 
 #: A GPU with 64 KB of shared memory per SM and block: the H200's head-dim-256 tiles do not fit it.
