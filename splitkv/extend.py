@@ -29,7 +29,8 @@ import triton
 
 from .kernels.extend import _extend_attention_kernel
 from .resources import next_pow2, rope_dim
-from .validate import check_verify_inputs, interpreting
+from .launch import interpreting
+from .validate import check_verify_inputs
 
 __all__ = ["extend_attention_fwd", "MAX_HEAD_DIM", "MAX_LATENT_DIM"]
 

@@ -721,7 +721,7 @@ class SplitPlan:
 
 def device_facts(device, num_sms: Optional[int] = None) -> DeviceFacts:
     """The schedule's :class:`DeviceFacts` of ``device`` (``num_sms``: plan for that many SMs instead)."""
-    from .validate import interpreting
+    from .launch import interpreting
 
     device = torch.device(device)
     return DeviceFacts(num_sms if num_sms is not None else device_sm_count(device), device_shared_memory(device),

@@ -65,7 +65,7 @@ from types import MappingProxyType
 from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 from .resources import DeviceLimits, device_limits
-from .validate import interpreting
+from .launch import interpreting
 
 __all__ = ["TunedTable", "TileRow", "DeviceLimits", "table_for", "table_named", "normalise_name", "user_dir",
            "table_path", "clear_cache", "using", "PACKAGE_TABLES", "DEFAULT_DEVICE", "TUNED_DIR_ENV", "DEFAULT_TILES",
