@@ -38,20 +38,20 @@ being captured into a CUDA graph.
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections import OrderedDict
-from typing import Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
-import triton
 
 from .extend import extend_attention_fwd
-from .gate import Decline, decline
+from .gate import Decline, admit
 from .launch import capturing
 from .options import VerifyOptions, batch_view, check_from_env, split_options
 from .paged import flat_pool, token_indices
 from .plan import VerifyPlan, VerifySplitKV
-from .schedule import LaunchLimitError, mean_prefix
+from .resources import OutOfDeviceResources
+from .schedule import LaunchLimitError, TilePlan, mean_prefix
 from .tuning import SMALL_BATCH_MAX_PREFIX
 from .validate import check_values, check_verify_inputs
 
@@ -62,11 +62,13 @@ PLAN_CACHE_SIZE = 512
 
 
 class _Caches(threading.local):
-    """One thread's runners (by head configuration) and plans (by signature; a plan or a decline)."""
+    """One thread's runners (by head configuration) and plans (by signature: ``[a plan or a decline, when it
+    was last used]``; a hit only stamps its entry, which costs no second hash of the signature)."""
 
     def __init__(self):
         self.runners: dict = {}
-        self.plans: "OrderedDict[tuple, Union[VerifyPlan, Decline]]" = OrderedDict()
+        self.plans: "Dict[tuple, list]" = {}
+        self.uses = itertools.count()
 
 
 _CACHES = _Caches()
@@ -118,18 +120,19 @@ def _signature(tensors: tuple, meta: dict, opts: VerifyOptions) -> tuple:
     q, k, v, o, kb, vb, qo, kvp, kvi = tensors
     cm, mi, sinks = meta["custom_mask"], meta["mask_indptr"], meta["sinks"]
     offsets, last = meta["window_kv_offsets"], meta["kv_last_page_len"]
+    kb_shape, vb_shape, qo_shape, kvi_shape = kb.shape, vb.shape, qo.shape, kvi.shape  # each read costs
     return (
         q.shape, q.stride(), q.dtype, q.get_device(),
         k.shape, k.stride(), k.dtype, k.get_device(),
         v.shape, v.stride(), v.dtype, v.get_device(),
         o.shape, o.stride(), o.dtype, o.get_device(),
-        kb.shape, kb.stride(), kb.dtype, kb.get_device(),
-        vb.shape, vb.stride(), vb.dtype, vb.get_device(),
-        qo.shape, qo.dtype, qo.get_device(), kvp.shape, kvp.dtype, kvp.get_device(),
-        kvi.dim(), kvi.dtype, kvi.get_device(),
-        mean_prefix(kvi.shape[0], kb.shape[1] if kb.dim() == 4 else 1, qo.shape[0] - 1) > SMALL_BATCH_MAX_PREFIX,
+        kb_shape, kb.stride(), kb.dtype, kb.get_device(),
+        vb_shape, vb.stride(), vb.dtype, vb.get_device(),
+        qo_shape, qo.dtype, qo.get_device(), kvp.shape, kvp.dtype, kvp.get_device(),
+        len(kvi_shape), kvi.dtype, kvi.get_device(),
+        mean_prefix(kvi_shape[0], kb_shape[1] if len(kb_shape) == 4 else 1, qo_shape[0] - 1) > SMALL_BATCH_MAX_PREFIX,
         # An MLA plan whose V is a view of K reads V from K's rows: a copy of V needs its own plan.
-        (kb.data_ptr() == vb.data_ptr(), k.data_ptr() == v.data_ptr()) if kb.shape[-1] != vb.shape[-1] else None,
+        (kb.data_ptr() == vb.data_ptr(), k.data_ptr() == v.data_ptr()) if kb_shape[-1] != vb_shape[-1] else None,
         # The optional tensors: their shapes, but a tree mask's length, which grows with the prefixes.
         None if cm is None else (cm.dim(), cm.dtype, cm.get_device()),
         None if mi is None else (mi.shape, mi.dtype, mi.get_device()),
@@ -143,14 +146,16 @@ def _signature(tensors: tuple, meta: dict, opts: VerifyOptions) -> tuple:
 def _plan_for(tensors: tuple, meta: dict, opts: VerifyOptions):
     """This thread's cached plan for a call, the call's step bound to it (or the gate's decline and
     ``None``), and the cache key (``None``: not cacheable)."""
-    plans = _CACHES.plans
+    caches = _CACHES
+    plans = caches.plans
     try:
         key = _signature(tensors, meta, opts)
-        plan = plans.get(key)  # hashing the key raises TypeError for an unhashable option
+        entry = plans.get(key)  # hashing the key raises TypeError for an unhashable option
     except (AttributeError, TypeError):  # not tensors, or unhashable options: let the gate say why
-        key = plan = None
-    if plan is not None:
-        plans.move_to_end(key)
+        key = entry = None
+    if entry is not None:
+        entry[1] = next(caches.uses)
+        plan = entry[0]
         if not isinstance(plan, VerifyPlan):
             return plan, None, key
         try:
@@ -158,7 +163,8 @@ def _plan_for(tensors: tuple, meta: dict, opts: VerifyOptions):
             return plan, plan._bind(tensors[6], tensors[7], tensors[8], meta, check=False), key
         except LaunchLimitError as err:  # this step's length passes a limit: decline, as a new call would
             return Decline(str(err)), None, key
-    plan = decline(tensors, meta, opts) or _new_plan(tensors, meta, opts)
+    found = admit(tensors, meta, opts)
+    plan = found if isinstance(found, Decline) else _new_plan(tensors, meta, opts, found)
     step = None
     if isinstance(plan, VerifyPlan):
         step = plan.step
@@ -166,20 +172,28 @@ def _plan_for(tensors: tuple, meta: dict, opts: VerifyOptions):
     if not opts.cacheable:
         key = None
     if key is not None:
-        plans[key] = plan
-        if len(plans) > PLAN_CACHE_SIZE:
-            plans.popitem(last=False)
+        _cache(key, plan)
     return plan, step, key
 
 
-def _new_plan(tensors: tuple, meta: dict, opts: VerifyOptions) -> Union[VerifyPlan, Decline]:
-    """A plan for a call the gate accepted (inputs checked), or the launch limit it passes."""
+def _cache(key: tuple, plan: Union[VerifyPlan, Decline]) -> None:
+    """Keep ``plan`` for signature ``key`` in this thread's cache, dropping the least recently used past
+    :data:`PLAN_CACHE_SIZE`."""
+    plans = _CACHES.plans
+    plans[key] = [plan, next(_CACHES.uses)]
+    if len(plans) > PLAN_CACHE_SIZE:
+        del plans[min(plans, key=lambda k: plans[k][1])]
+
+
+def _new_plan(tensors: tuple, meta: dict, opts: VerifyOptions, tile: TilePlan) -> Union[VerifyPlan, Decline]:
+    """A plan for a call the gate accepted (inputs checked) with the tile it checked, or the launch limit
+    it passes."""
     q, k, v = tensors[:3]
     max_bs = max(opts.max_bs or 1, tensors[6].shape[0] - 1)
     runner = get_runner(q, k, v, opts.max_len_extend, max_bs, split_tokens=opts.split_tokens,
                         max_prefix_len=opts.max_prefix_len)
     try:
-        return VerifyPlan(runner, tensors, meta, opts)
+        return VerifyPlan(runner, tensors, meta, opts, tile=tile)
     except LaunchLimitError as err:
         return Decline(str(err))
 
@@ -201,10 +215,10 @@ def _serve(tensors: tuple, meta: dict, opts: VerifyOptions) -> Tuple[Optional[De
     try:
         # The plan's cache key fixed the tensors' devices, dtypes, shapes and strides: no check again.
         plan._run(step, q, k, v, kb, vb, o, o if lse is None else lse)
-    except triton.OutOfResources as err:
-        found = Decline(f"resources: {err}")
+    except OutOfDeviceResources as err:
+        found = Decline(str(err))
         if key is not None:
-            _CACHES.plans[key] = found
+            _cache(key, found)
         return found, None
     return None, lse
 
@@ -279,11 +293,10 @@ def verify_splitkv_fwd(
     for name, t in (("custom_mask", custom_mask), ("mask_indptr", mask_indptr)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
-    opts = VerifyOptions(
-        max_len_extend=max_len_extend, is_causal=is_causal, k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale,
-        logit_cap=logit_cap, skip_prefix_custom_mask=skip_prefix_custom_mask, sliding_window_size=sliding_window_size,
-        xai_temperature_len=xai_temperature_len, max_bs=max_bs, split_tokens=split_tokens,
-        max_prefix_len=max_prefix_len, check=check_from_env() if check is None else check).checked()
+    scalars = (max_len_extend, is_causal, k_scale, v_scale, sm_scale, logit_cap, skip_prefix_custom_mask,
+               sliding_window_size, xai_temperature_len, max_bs, split_tokens, max_prefix_len,
+               check_from_env() if check is None else check)
+    opts = _dropin_options(scalars)
     meta = dict(custom_mask=custom_mask, mask_indptr=mask_indptr, sinks=sinks, window_kv_offsets=window_kv_offsets,
                 kv_last_page_len=kv_last_page_len)
     kv_indptr, meta = batch_view(qo_indptr, kv_indptr, meta)
@@ -296,6 +309,32 @@ def verify_splitkv_fwd(
             check_values(tensors, meta, opts)  # name the bad sequence and field where the values say it
         raise ValueError(declined.reason)
     return False
+
+
+#: The drop-in's options by its scalar arguments (a memo: an eager call need not build them again).
+_DROPIN_OPTIONS: dict = {}
+
+
+def _dropin_options(scalars: tuple) -> VerifyOptions:
+    """:class:`VerifyOptions` of the drop-in's scalar arguments (in :class:`VerifyOptions`' order), checked.
+
+    Arguments whose type :meth:`VerifyOptions.checked` refuses compare equal to ones it takes
+    (``1 == True``), so only those of the checked types are looked up in the memo.
+    """
+    max_len_extend, is_causal, check = scalars[0], scalars[1], scalars[-1]
+    typed = type(max_len_extend) is int and type(is_causal) is bool and (check is True or check is False
+                                                                          or check == "full")
+    try:
+        opts = _DROPIN_OPTIONS.get(scalars) if typed else None
+    except TypeError:  # an unhashable argument: checked (or served) without the memo
+        return VerifyOptions(*scalars).checked()
+    if opts is None:
+        opts = VerifyOptions(*scalars).checked()
+        if typed:
+            if len(_DROPIN_OPTIONS) >= PLAN_CACHE_SIZE:
+                _DROPIN_OPTIONS.clear()
+            _DROPIN_OPTIONS[scalars] = opts
+    return opts
 
 
 def verify_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,

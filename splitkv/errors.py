@@ -21,9 +21,10 @@ at.
 
 The contract:
 
-* **Nothing is lost.** A slot is cleared only by the host read that raises
-  it, and a launch's slot is never handed to another launch while it holds
-  an unraised report (the ring skips it).
+* **Nothing is lost.** A slot is cleared only by the host read that takes its
+  report out (to raise it, or to keep it for the thread that launched it),
+  and a launch's slot is never handed to another launch while it holds an
+  unread report (the ring skips it).
 * **Raised where it can be.** Under the interpreter the kernel has finished
   when the launch returns, so the call that launched it raises. On a GPU the
   kernel runs later: its fault is raised by the next call of the same thread
@@ -35,7 +36,8 @@ The contract:
   captured into a CUDA graph. A call raises the reports of its own thread's
   eager launches and of captured launches (a graph may be replayed from any
   thread); another thread's reports stay pending for that thread or for
-  :func:`check_device_errors`.
+  :func:`check_device_errors`, kept on the host: while they wait, the other
+  threads' calls read the flag and a dictionary, no slot.
 * **The portable path** (:func:`splitkv.launch.portable`: ROCm builds, ``SPLITKV_PORTABLE=1``)
   maps no host memory into the device: the log lives in device memory, and
   faults are raised by :func:`check_device_errors` only.
@@ -133,6 +135,8 @@ class FaultLog:
         self._numbers = itertools.count(1)  # next() is atomic under the GIL: no lock on the call path
         self._lock = threading.Lock()  # captured slots, and the read-and-clear of reports
         self._next_captured = 1 + EAGER_SLOTS
+        #: reports read out of the log by another thread's scan, per thread that launched them
+        self._queued: Dict[int, List[tuple]] = {}
 
     @property
     def address(self) -> int:
@@ -150,52 +154,57 @@ class FaultLog:
         else:
             slot = 1 + number % EAGER_SLOTS
             view = self._view
-            for _ in range(EAGER_SLOTS if view is not None else 0):  # skip slots holding unraised reports
-                if not view[slot]:
-                    break
-                slot = 1 + next(self._numbers) % EAGER_SLOTS
+            if view is not None and view[slot]:  # skip slots holding unread reports
+                for _ in range(EAGER_SLOTS):
+                    slot = 1 + next(self._numbers) % EAGER_SLOTS
+                    if not view[slot]:
+                        break
         self._owners[slot] = owner
         return slot
 
     def raise_pending(self, everyone: bool = False, scan: bool = False) -> None:
         """Raise :class:`VerifyError` for the reports this thread may raise (``everyone``: all), clearing them.
 
-        Reads the flag only, unless it is set or ``scan`` (then every slot). No waiting for the device,
-        but in device memory (not ``mapped``), which only a ``scan`` reads, through a copy that waits.
+        Reads the flag only (and whether another thread's scan left reports for this one), unless the
+        flag is set or ``scan`` (then every slot). A scan takes every report out of the log: those this
+        thread may raise it raises, the others it keeps for the threads that launched them, so that one
+        thread's pending report costs the other threads nothing. No waiting for the device, but in
+        device memory (not ``mapped``), which only a ``scan`` reads, through a copy that waits.
         """
         view = self._view
-        if view is None:
-            if not scan:
-                return
-            view = self.words.cpu().numpy()
-        elif not (scan or view[0]):
+        if not (scan or self._queued or (view is not None and view[0])):
             return
+        me = threading.get_ident()
         with self._lock:
-            if self.mapped:
-                view[0] = 0  # before the slots are read: a report landing meanwhile raises it again
-            me = threading.get_ident()
-            found, left = [], False
-            for slot in np.flatnonzero(view[1:]) + 1:
-                owner = self._owners[slot]
-                if everyone or owner is None or owner[2] or owner[1] == me:
-                    found.append((slot, owner, int(view[slot])))
-                else:
-                    left = True
-            self._clear([slot for slot, _, _ in found], left)
+            if scan or (view is not None and view[0]):
+                self._take_reports(me, everyone, scan)
+            found = self._queued.pop(me, [])
+            if everyone:
+                found += [report for reports in self._queued.values() for report in reports]
+                self._queued.clear()
         if found:
             lines = [f"{describe(code)} (from {_launch_name(owner)})" for _, owner, code in found]
             raise VerifyError(f"splitkv verify kernel on {self.device}: " + "; ".join(lines))
 
-    def _clear(self, slots: List[int], left: bool) -> None:
-        """Clear the raised reports' slots; the flag stays up while another thread's reports are left."""
+    def _take_reports(self, me: int, everyone: bool, scan: bool) -> None:
+        """Read every slot's report out of the log (under the lock) into :attr:`_queued`, by the thread that
+        may raise it (``me`` for this thread's, captured and unknown launches, or ``everyone``)."""
+        view = self._view
+        if view is None:
+            view = self.words.cpu().numpy()
+        elif self.mapped:
+            view[0] = 0  # before the slots are read: a report landing meanwhile raises it again
+        slots = np.flatnonzero(view[1:]) + 1
+        for slot in slots:
+            owner = self._owners[slot]
+            mine = everyone or owner is None or owner[2] or owner[1] == me
+            self._queued.setdefault(me if mine else owner[1], []).append((int(slot), owner, int(view[slot])))
         if self.mapped:
-            self._view[slots] = 0
-            if left:  # the flag was lowered before the slots were read; a report landing since raised it
-                self._view[0] = 1
+            view[slots] = 0
         else:
-            if slots:
-                self.words[torch.tensor(slots, device=self.device)] = 0
-            self.words[0] = int(left)
+            if len(slots):
+                self.words[torch.from_numpy(slots).to(self.device)] = 0
+            self.words[0] = 0
 
 
 _LOGS: Dict[int, FaultLog] = {}

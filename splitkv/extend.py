@@ -28,8 +28,9 @@ import torch
 import triton
 
 from .kernels.extend import _extend_attention_kernel
-from .resources import rope_dim
-from .validate import check_verify_inputs, interpreting
+from .resources import next_pow2, rope_dim
+from .launch import interpreting
+from .validate import check_verify_inputs
 
 __all__ = ["extend_attention_fwd", "MAX_HEAD_DIM", "MAX_LATENT_DIM"]
 
@@ -228,8 +229,8 @@ def extend_attention_fwd(
         GROUP=dims.group,
         HEAD_DIM=dims.head_dim,
         V_HEAD_DIM=dims.v_head_dim,
-        BLOCK_D=dims.v_head_dim if rope else triton.next_power_of_2(dims.head_dim),
-        BLOCK_DV=triton.next_power_of_2(dims.v_head_dim),
+        BLOCK_D=dims.v_head_dim if rope else next_pow2(dims.head_dim),
+        BLOCK_DV=next_pow2(dims.v_head_dim),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         USE_CUSTOM_MASK=custom_mask is not None,

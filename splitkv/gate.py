@@ -13,7 +13,9 @@ with any of the score features: ``logit_cap``, a sliding window (with
 a token pool or a paged pool (``kv_last_page_len``). So it declines only a
 custom mask on the prefix, sizes past a launch limit, head dims whose
 smallest tile does not fit the device's shared memory
-(:mod:`splitkv.resources`), bfloat16 under the interpreter, and malformed input.
+(:mod:`splitkv.resources`), a tile whose compile ran out of the device's
+resources before (:func:`splitkv.resources.refuse`), bfloat16 under the
+interpreter, and malformed input.
 
 The gate decides from shapes, dtypes, devices and Python scalars alone. It
 never reads a tensor's values: the verify step runs inside captured CUDA
@@ -24,18 +26,17 @@ shapes is the caller's contract, as for ``extend_attention_fwd`` itself:
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 
 from . import tuning
 from .options import VerifyOptions, batch_view, split_options
-from .resources import rope_dim, shares_rows
-from .schedule import (MAX_SPLITS, VerifyParams, block_m_for, device_facts, fixed_n_splits, head_tiles,
-                       launch_limit_reason, plan_tile, rows_per_tile)
+from .resources import refusal, rope_dim, shares_rows
+from .schedule import MAX_SPLITS, TilePlan, VerifyParams, device_facts, fixed_n_splits, launch_limit_reason, plan_tile
 from .validate import Dims, check_call
 
-__all__ = ["can_handle", "decline_reason", "Decline", "decline", "MAX_DRAFT_TOKENS"]
+__all__ = ["can_handle", "decline_reason", "Decline", "decline", "admit", "MAX_DRAFT_TOKENS"]
 
 #: Most draft tokens per sequence the split path serves; longer extends are
 #: prefills, which the extend kernel's query tiles already parallelise.
@@ -60,6 +61,13 @@ def decline(tensors: tuple, meta: dict, opts: VerifyOptions) -> Optional[Decline
     metadata tensors by name; ``opts``: the call's options. Shapes, dtypes, devices and Python
     scalars only.
     """
+    found = admit(tensors, meta, opts)
+    return found if isinstance(found, Decline) else None
+
+
+def admit(tensors: tuple, meta: dict, opts: VerifyOptions) -> Union[Decline, TilePlan]:
+    """:func:`decline`'s answer, or for a call it serves the tile it checked
+    (:func:`splitkv.schedule.plan_tile`), which the call's plan then takes rather than plan it again."""
     if meta["custom_mask"] is not None and not opts.skip_prefix_custom_mask:
         return Decline("custom mask on the prefix (skip_prefix_custom_mask=False)")
     scales = opts.scale_problem()
@@ -75,12 +83,15 @@ def decline(tensors: tuple, meta: dict, opts: VerifyOptions) -> Optional[Decline
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         return Decline("bfloat16 under the Triton interpreter (its bf16 tl.dot is wrong)")
     kv_len = tensors[8].shape[0]
-    reason = _launch_limit(dims, opts, kv_len * dims.page_size) or _tile_reason(dims, opts, q, kb, vb, kv_len)
-    return None if reason is None else Decline(reason)
+    tile = _tile(dims, opts, q, kb, vb, kv_len)
+    if isinstance(tile, Decline):
+        return tile
+    reason = _launch_limit(tile, dims, opts, kv_len * dims.page_size)
+    return tile if reason is None else Decline(reason)
 
 
-def _tile_reason(dims: Dims, opts: VerifyOptions, q, k_buffer, v_buffer, kv_len: int) -> Optional[str]:
-    """Why no tile fits the device's shared memory, or ``None``: the plan's own tile choice
+def _tile(dims: Dims, opts: VerifyOptions, q, k_buffer, v_buffer, kv_len: int) -> Union[Decline, TilePlan]:
+    """The call's tile, or why none fits the device's shared memory: the plan's own tile choice
     (:func:`splitkv.schedule.plan_tile`, which shrinks the tuned tile until it fits), so the gate
     never accepts a call the plan cannot tile."""
     p = VerifyParams(dims.num_q_heads, dims.num_kv_heads, dims.head_dim, dims.v_head_dim, opts.max_len_extend,
@@ -88,21 +99,21 @@ def _tile_reason(dims: Dims, opts: VerifyOptions, q, k_buffer, v_buffer, kv_len:
                      kv_shared=bool(rope_dim(dims.head_dim, dims.v_head_dim)) and shares_rows(k_buffer, v_buffer),
                      window=opts.window, split_tokens=opts.split_tokens, max_prefix_len=opts.max_prefix_len)
     try:
-        plan_tile(p, device_facts(q.device), tuning.table_for(q.device), p.prefix(kv_len))
+        tile = plan_tile(p, device_facts(q.device), tuning.table_for(q.device), p.prefix(kv_len))
     except ValueError as err:
-        return str(err)
-    return None
+        return Decline(str(err))
+    refused = refusal(tile)  # a compile of this tile ran out of the device's resources before
+    return tile if refused is None else Decline(refused)
 
 
-def _launch_limit(dims: Dims, opts: VerifyOptions, keys: int) -> Optional[str]:
-    """Why a launch for these sizes would pass a CUDA or 32-bit limit, or ``None``.
+def _launch_limit(tile: TilePlan, dims: Dims, opts: VerifyOptions, keys: int) -> Optional[str]:
+    """Why a launch of this tile for these sizes would pass a CUDA or 32-bit limit, or ``None``.
 
-    The grid is ``(batch x head_tiles, n_splits)`` (:func:`splitkv.schedule.launch_limit_reason`):
-    adaptive slices are at most 64, fixed ones ``cdiv(max_prefix_len, split_tokens)``.
+    The grid is ``(batch x head_tiles, n_splits)`` (:func:`splitkv.schedule.launch_limit_reason`, which the
+    plan checks each step's launch with): here for the most sequences the call allows (``max_bs``) and the
+    most slices (64 adaptive ones, or ``cdiv(max_prefix_len, split_tokens)`` fixed ones).
     """
-    block_m = block_m_for(rows_per_tile(dims.group, opts.max_len_extend))
-    tiles = max(dims.batch_size, opts.max_bs or 0) * head_tiles(
-        dims.num_q_heads, dims.num_kv_heads, opts.max_len_extend, block_m)
+    tiles = max(dims.batch_size, opts.max_bs or 0) * tile.head_tiles
     n_splits = MAX_SPLITS if opts.split_tokens is None else fixed_n_splits(opts.max_prefix_len, opts.split_tokens)
     return launch_limit_reason(tiles, n_splits, keys)
 

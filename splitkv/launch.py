@@ -43,29 +43,36 @@ internals; each has a public fallback that the others take:
   (``torch._C._cuda_getCurrentRawStream``; public: ``torch.cuda.current_stream().cuda_stream``);
 * :func:`alloc_raw` / :func:`free_raw` -- a block of the caching allocator
   without a tensor (public: ``torch.cuda.caching_allocator_alloc`` / ``_delete``);
-* :class:`Launcher` -- the compiled kernel launched directly (public: ``fn[grid](...)``).
+* :class:`Launcher` -- the compiled kernel launched directly (public: ``fn[grid](...)``);
+* :func:`environ_reader` -- an environment variable read from CPython's store behind
+  ``os.environ`` (public: ``os.environ.get``), for the one the drop-in reads on every call.
 
 And the device facts the launch needs, in one place: :func:`capturing`,
-:func:`supports_pdl`, :func:`portable`.
+:func:`supports_pdl`, :func:`portable`, :func:`interpreting`.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import triton
 
-from .validate import interpreting
 
 __all__ = ["Launcher", "fast_path_available", "fast_path_problem", "alignment_bits", "TESTED_TRITON", "PORTABLE_ENV",
-           "portable", "capturing", "supports_pdl", "current_stream", "alloc_raw", "free_raw"]
+           "portable", "capturing", "supports_pdl", "current_stream", "alloc_raw", "free_raw", "environ_reader",
+           "interpreting"]
 
 #: Set to ``1`` to take the portable path everywhere: Triton's public launch, no programmatic
 #: dependent launch, no private PyTorch hooks (what a ROCm build of PyTorch takes by itself).
 PORTABLE_ENV = "SPLITKV_PORTABLE"
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run through the interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def portable() -> bool:
@@ -186,6 +193,22 @@ def free_raw(address: int) -> None:
         _RAW_DELETE(address)
     else:
         torch.cuda.caching_allocator_delete(address)
+
+
+def environ_reader(name: str) -> Callable[[], Optional[str]]:
+    """A function that reads ``os.environ.get(name)`` as it is set when called: from the bytes-keyed dict
+    behind ``os.environ`` on POSIX CPython (one lookup, where ``os.environ.get`` makes four Python calls),
+    which ``os.environ``'s own updates keep current; elsewhere through ``os.environ.get``."""
+    data = getattr(os.environ, "_data", None)
+    if os.name != "posix" or not isinstance(data, dict):
+        return lambda: os.environ.get(name)
+    key, decode = os.environ.encodekey(name), os.environ.decodevalue
+
+    def read() -> Optional[str]:
+        raw = data.get(key)
+        return None if raw is None else decode(raw)
+
+    return read
 
 
 def fast_path_problem() -> Optional[str]:

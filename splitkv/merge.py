@@ -28,6 +28,7 @@ import torch
 import triton
 
 from .kernels.merge import _merge_states_kernel
+from .resources import next_pow2
 
 __all__ = ["merge_state", "merge_states"]
 
@@ -71,7 +72,7 @@ def merge_states(
         raise ValueError(f"out_lse must be a contiguous float32 [{n_tok}, {heads}]")
     if n_tok == 0 or heads == 0:
         return out, out_lse
-    block_d = min(triton.next_power_of_2(dim), 256)
+    block_d = min(next_pow2(dim), 256)
     grid = (n_tok, heads, triton.cdiv(dim, block_d))
     _merge_states_kernel[grid](
         v, s, out, out_lse, n,

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 import typing
 from typing import Dict, NamedTuple, Optional, Tuple, Union
+
+from .launch import environ_reader
 
 __all__ = ["VerifyOptions", "METADATA", "TENSORS", "split_options", "metadata_of", "batch_view", "option_names",
            "check_from_env", "CHECK_ENV", "CHECK_MODES"]
@@ -244,10 +245,14 @@ def _first(t, n: int):
     return t[:n] if shape is not None and len(shape) == 1 and shape[0] > n else t
 
 
+#: Reads ``SPLITKV_CHECK`` as it is set when called (every eager drop-in call does).
+_read_check_env = environ_reader(CHECK_ENV)
+
+
 def check_from_env() -> Union[bool, str]:
     """The drop-in's default ``check``, from ``SPLITKV_CHECK``: ``0/false/off/no`` (or unset) off,
     ``1/true/on/yes`` on, ``full``; anything else raises ``ValueError``."""
-    raw = os.environ.get(CHECK_ENV)
+    raw = _read_check_env()
     if raw is None:
         return False
     mode = _CHECK_WORDS.get(raw)

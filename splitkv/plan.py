@@ -19,9 +19,12 @@ prefixes, a longer tree mask) binds to the same plan. For the simple case a
 plan keeps one bound step (:meth:`VerifyPlan.rebind`); threads that share a
 plan bind steps of their own and pass them to :meth:`VerifyPlan.run`.
 
-The plan remembers two things it learns: the compiled launchers (by their
-constexprs, in the runner) and which merge variants spill registers on the
-GPU (``VerifyPlan.spilling``: those merge in a second launch). Both only grow.
+Everything a plan may launch follows from what it fixed: per split count its
+split plan and, where the slices merge in the verify launch, the same launch
+merged in a second one (:attr:`Step.fallback`), which a run takes when a
+capture has no zeroed counters or the merge programs spill registers. What is
+learned on the way is the runner's, shared by its plans and only growing: the
+compiled launchers (by their constexprs) and which of them spill.
 
 Scratch (partials and counters) is :mod:`splitkv.workspace`'s; faults are
 :mod:`splitkv.errors`'.
@@ -35,6 +38,7 @@ import threading
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
+import triton
 
 from . import tuning
 from . import workspace as _ws
@@ -44,9 +48,9 @@ from .kernels.merge import _merge_kernel
 from .kernels.verify import _verify_kernel
 from .launch import Launcher, _specialization, alignment_bits, capturing, current_stream, free_raw, supports_pdl
 from .options import VerifyOptions, metadata_of, split_options
-from .resources import rope_dim, shares_rows
+from .resources import refuse, rope_dim, shares_rows
 from .schedule import (MAX_GRID_SPLITS, MAX_SPLITS, MERGE_PROGRAMS, SEPARATE_MERGE, SPIN_LIMIT, LaunchLimitError,
-                       SplitPlan, TileConfig, VerifyParams, cdiv, count_splits, device_facts, element_size,
+                       SplitPlan, TileConfig, TilePlan, VerifyParams, cdiv, count_splits, device_facts, element_size,
                        fixed_n_splits, launch_limit_reason, launch_rows, merge_launch_block, merge_unroll, next_pow2,
                        plan_splits, plan_tile, pool_offsets_32, rows_per_tile, workspace_bytes)
 from .validate import check_batch_invariant, check_call, check_output, check_values
@@ -90,11 +94,13 @@ class VerifySplitKV:
 
     Calling the runner plans and runs in one go; see :meth:`plan` to reuse a plan.
 
-    Threads. A runner and its plans may be shared by threads: planning and running change
-    nothing another thread reads but the memos of compiled launchers (filled under a lock), and
-    each thread binds its own :class:`Step` (:meth:`VerifyPlan.bind`) and passes it to
-    :meth:`VerifyPlan.run`. A plan's own bound step (:meth:`VerifyPlan.rebind`) is one
-    thread's. A caller's ``workspace`` is one stream's at a time.
+    Threads. A runner and its plans may be shared by threads: binding and running assign no
+    attribute of a plan. What they share only grows, and is the same whoever fills it: the
+    runner's compiled launchers and which of them spill (filled under a lock), a plan's split
+    plans per split count. Each thread binds its own :class:`Step` (:meth:`VerifyPlan.bind`) and
+    passes it to :meth:`VerifyPlan.run`; what a plan reports of the step bound last
+    (:attr:`VerifyPlan.n_splits` and the like) is per thread. A plan's own bound step
+    (:meth:`VerifyPlan.rebind`) is one thread's. A caller's ``workspace`` is one stream's at a time.
     """
 
     def __init__(
@@ -154,6 +160,9 @@ class VerifySplitKV:
             self._workspace = _ws.Workspace(workspace, max_bs * self.head_tiles)
         self._launchers: Dict[tuple, Launcher] = {}
         self._launchers_lock = threading.Lock()
+        #: verify launchers whose kernel spills registers with merge programs (learned when one compiles)
+        self._spilling: set = set()
+        self._numbers: Dict[tuple, int] = {}  # launch-key parts by number (:meth:`VerifyPlan._spec_id`)
 
     def params(self, batch_size: Optional[int], kv_dtype: torch.dtype, q_dtype: Optional[torch.dtype] = None,
                page_size: int = 1, kv_shared: bool = False, window: Optional[int] = None) -> VerifyParams:
@@ -248,9 +257,12 @@ class VerifySplitKV:
             raise TypeError(f"{', '.join(fixed)}: fixed by the runner (VerifySplitKV), not by plan()")
         return split_options({"check": False, **options, **self._limits})
 
-    def _plan(self, tensors: tuple, meta: dict, opts: VerifyOptions, *, attend_draft: bool = True) -> "VerifyPlan":
-        """:meth:`plan` for a call's tensors (:data:`splitkv.options.TENSORS`), metadata and options."""
-        dims = check_call(tensors, meta, opts)
+    def _plan(self, tensors: tuple, meta: dict, opts: VerifyOptions, *, attend_draft: bool = True,
+              tile: Optional[TilePlan] = None) -> "VerifyPlan":
+        """:meth:`plan` for a call's tensors (:data:`splitkv.options.TENSORS`), metadata and options
+        (``tile``: the gate's, which checked the call, taken where it was planned from this plan's
+        parameters)."""
+        dims = check_call(tensors, meta, opts) if tile is None else tile.params
         want = (self.num_q_heads, self.num_kv_heads, self.head_dim, self.v_head_dim)
         got = (dims.num_q_heads, dims.num_kv_heads, dims.head_dim, dims.v_head_dim)
         if got != want:
@@ -259,7 +271,7 @@ class VerifySplitKV:
             raise ValueError(f"batch of {dims.batch_size} exceeds this runner's max_bs={self.max_bs}")
         if opts.check == "full" and not capturing(tensors[0].device):
             check_values(tensors, meta, opts)
-        return VerifyPlan(self, tensors, meta, opts, attend_draft=attend_draft)
+        return VerifyPlan(self, tensors, meta, opts, attend_draft=attend_draft, tile=tile)
 
     @property
     def _limits(self) -> dict:
@@ -274,6 +286,15 @@ class VerifySplitKV:
             with self._launchers_lock:
                 launcher = self._launchers.setdefault(key, Launcher(fn, constexprs, options))
         return launcher
+
+    def _number(self, part: tuple) -> int:
+        """A number for ``part`` of a launch key, the same for equal parts (the launchers' keys are this
+        runner's: its plans share them)."""
+        number = self._numbers.get(part)
+        if number is None:
+            with self._launchers_lock:
+                number = self._numbers.setdefault(part, len(self._numbers))
+        return number
 
     def __call__(self, q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr,
                  kv_indices, **options):
@@ -292,50 +313,60 @@ class Step(NamedTuple):
         kv_len: entries of ``kv_indices``.
         meta: the kernel's eight metadata tensors (absent ones stood for by placeholders, never read).
         meta_ptrs: their addresses.
-        static_key: what the compiled kernel is specialised on that the metadata fixes.
+        key: what the compiled kernel is specialised on that the plan, the lengths and the metadata fix:
+            ``(the runner's number for the plan's and the lengths' part, the metadata's dtypes where
+            they are not the plan's, else None, their 16-byte alignment)``.
         tail: the kernel's scalar arguments and strides.
-        spec: what the compiled kernel is specialised on among ``tail``.
         merge_scalars: the second merge launch's scalars.
         launch: the verify kernel's launcher for ``split``.
         merge: the second merge launch's launcher, or ``None``.
+        fallback: where ``split`` merges in the verify launch, the same launch merged in a second one
+            ``(split plan, its key's first entry, launcher, merge launcher)``: what a run takes when no zeroed
+            counters are to be had (inside a capture) or the merge programs turn out to spill.
     """
 
     split: SplitPlan
     kv_len: int
     meta: tuple
     meta_ptrs: tuple
-    static_key: tuple
+    key: tuple
     tail: tuple
-    spec: tuple
     merge_scalars: tuple
     launch: Launcher
     merge: Optional[Launcher]
+    fallback: Optional[tuple]
+
+
+class _Seen(threading.local):
+    """A plan's per-thread memo: the lengths the thread bound last and what they launch (:meth:`VerifyPlan._size`)."""
+
+    sized: Optional[tuple] = None
 
 
 class VerifyPlan:
     """One step shape's verify launch, fixed; :meth:`run` launches it for a layer and a step.
 
-    Made by :meth:`VerifySplitKV.plan`. Running a plan changes nothing in it; :meth:`rebind`
+    Made by :meth:`VerifySplitKV.plan`. Binding and running assign nothing in a plan; :meth:`rebind`
     replaces the step it keeps bound, and :meth:`bind` makes a step without touching the plan
-    (for threads that share a plan: each binds its own and passes it to :meth:`run`).
+    (for threads that share a plan: each binds its own and passes it to :meth:`run`). Per thread the
+    plan keeps a memo of the lengths bound last, which is what :attr:`n_splits` and the like describe.
 
     Attributes:
         params: what the schedule planned from (:class:`splitkv.schedule.VerifyParams`).
         tile: the tile (:class:`splitkv.schedule.TilePlan`); ``config`` its shape.
         step: the bound step (:class:`Step`), ``None`` after :meth:`release`.
         batch_size: sequences in the step.
-        n_splits, grid, merge, fused, scratch_bytes: what the step bound last launches (its
-            :class:`splitkv.schedule.SplitPlan`; for introspection: each step carries its own).
+        n_splits, grid, merge, fused, scratch_bytes: what the step this thread bound last launches
+            (else the plan's own step; its :class:`splitkv.schedule.SplitPlan`, for introspection:
+            each step carries its own).
         offsets_32: whether the pools are small enough for 32-bit gather offsets.
         kv_shared, draft_shared: a head in two chunks (MLA) whose V is a view
             of K's first ``Dv`` columns in the pools, in the draft block: the
             kernel loads those rows once for both.
-        spilling: merge-program variants that spill registers on this device (learned when one first
-            compiles): their launches merge in a second launch (see docs/design.md).
     """
 
     def __init__(self, runner: VerifySplitKV, tensors: tuple, meta: dict, opts: VerifyOptions, *,
-                 attend_draft: bool = True):
+                 attend_draft: bool = True, tile: Optional[TilePlan] = None):
         r = self.runner = runner
         q_extend, k_extend, v_extend, _, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices = tensors
         self.batch_size = qo_indptr.shape[0] - 1
@@ -354,7 +385,9 @@ class VerifyPlan:
         self._hold_layer(q_extend, k_extend, v_extend, k_buffer, v_buffer)
         self.params = r.params(self.batch_size, k_buffer.dtype, q_extend.dtype, self.page_size, self.kv_shared,
                                self.window)
-        self.tile = plan_tile(self.params, r.facts, r.table, self.params.prefix(kv_indices.shape[0]))
+        if tile is None or (tile.params, tile.facts) != (self.params, r.facts):  # the gate's tile, where it fits
+            tile = plan_tile(self.params, r.facts, r.table, self.params.prefix(kv_indices.shape[0]))
+        self.tile = tile
         self.config = self.tile.config
         sm_scale = opts.sm_scale or 1.0 / math.sqrt(r.head_dim)  # as extend_attention_fwd: 0 is the default too
         scales = (float(sm_scale) * float(opts.k_scale) * LOG2E, float(sm_scale) * LOG2E,
@@ -364,6 +397,7 @@ class VerifyPlan:
                                 self.spin_limit))
         self._fixed_spec = _specialization(sum(self._fixed_scalars, ()) + self._strides)
         self._log = fault_log(self.device)
+        self._log_address = self._log.address
         custom_mask = meta["custom_mask"]
         self._constexprs = self._kernel_constexprs(
             q_extend.dtype, k_buffer.dtype, USE_MASK=custom_mask is not None,
@@ -371,11 +405,13 @@ class VerifyPlan:
             IS_CAUSAL=opts.is_causal, HAS_LOGIT_CAP=opts.logit_cap > 0, HAS_XAI_TEMP=opts.xai_len > 0,
             ATTEND_DRAFT=bool(attend_draft), HAS_SINKS=meta["sinks"] is not None, WRITE_LSE=opts.return_lse)
         self._pdl = supports_pdl(self.device)
-        self.spilling: set = set()
+        # Memos of pure functions of the plan (split plans per count, launchers per variant): filled on
+        # first use, equal whoever fills them.
         self._splits: Dict[Tuple[int, bool], SplitPlan] = {}
         self._variants: Dict[tuple, Tuple[Launcher, Optional[Launcher]]] = {}
+        self._seen = _Seen()  # per thread: the lengths it bound last and what they launch
         self.step: Optional[Step] = None
-        self._sized = None  # the last lengths bound and what they launch (a memo)
+        self._meta_dtypes = self._metadata(qo_indptr, kv_indptr, kv_indices, meta, True)[2]
         self.rebind(qo_indptr, kv_indptr, kv_indices, **meta)
 
     def _hold_layer(self, q_extend, k_extend, v_extend, k_buffer, v_buffer) -> None:
@@ -383,6 +419,7 @@ class VerifyPlan:
         #: the device index (-1 for the CPU) every tensor of a run must report: the launch
         #: passes addresses, not tensors (see ``run``), so nothing downstream would check it
         self._dev_index = q_extend.get_device()
+        self._cuda = self._dev_index >= 0
         #: what every run's tensors must report: 6 devices (q, k, v, pools, out), then 5 dtypes
         #: (q, k, v, pools; the output's is free: a context-parallel shard writes float32 partials)
         self._layer = (self._dev_index,) * 6 + (q_extend.dtype,) * 3 + (k_buffer.dtype,) * 2
@@ -459,17 +496,18 @@ class VerifyPlan:
         m, ptrs, dtypes = self._metadata(qo_indptr, kv_indptr, kv_indices, meta, check)
         mask = meta["custom_mask"]
         lengths = (kv_indices.shape[0], mask.numel() if mask is not None else 0)
-        sized = self._sized
+        seen = self._seen
+        sized = seen.sized
         if sized is None or sized[0] != lengths:  # the lengths changed: the split count may have
-            sized = self._sized = (lengths, self._size(*lengths))
-        split, tail, spec, merge_scalars, launch, merge = sized[1]
-        self._last = split  # introspection only: what the step bound last launches
-        return Step(split, lengths[0], m, ptrs, (self._layer[6:], dtypes, alignment_bits(ptrs)), tail, spec,
-                    merge_scalars, launch, merge)
+            sized = seen.sized = (lengths, self._size(*lengths))
+        split, tail, spec_id, merge_scalars, launch, merge, fallback = sized[1]
+        return Step(split, lengths[0], m, ptrs, (spec_id, None if dtypes == self._meta_dtypes else dtypes,
+                                                 alignment_bits(ptrs)), tail, merge_scalars, launch, merge, fallback)
 
     def _size(self, kv_len: int, mask_len: int) -> tuple:
         """What a step of these lengths launches: ``(split plan, scalars, their specialisation, the second
-        merge's scalars, launchers)`` (:meth:`_bind` keeps the last, as steps' lengths repeat)."""
+        merge's scalars, launchers, the fallback)`` (:meth:`_bind` keeps the last per thread, as steps'
+        lengths repeat). Merge programs whose kernel is known to spill give way to the second launch."""
         n = count_splits(self.params, self.tile, self.runner.facts, self.runner.table, self.params.prefix(kv_len))
         reason = launch_limit_reason(self.tile.tiles, n, kv_len * self.page_size)
         if reason is not None:
@@ -480,9 +518,21 @@ class VerifyPlan:
             raise ValueError("the workspace is too small for this call's slices")
         scales, sizes, rest = self._fixed_scalars
         tail = scales + sizes + (kv_len, mask_len, n) + rest + self._strides
-        spec = (self._fixed_spec, _specialization((kv_len, mask_len, n)), split.lse_offset < 2**31)
+        spec = (self._fixed_spec, _specialization((kv_len, mask_len, n)))
         merge_scalars = (self.num_tokens, kv_len, n, self.tile.min_split, self.window or 0)
-        return (split, tail, spec, merge_scalars, *self._launchers_for(split))
+        fallback = None
+        if split.merge is not None and split.merge != SEPARATE_MERGE:
+            separate = self._split(n, True)
+            fallback = (separate, self._spec_id(spec, separate), *self._launchers_for(separate))
+        launch, merge = self._launchers_for(split)
+        if fallback is not None and launch in self.runner._spilling:
+            return (*fallback[:1], tail, fallback[1], merge_scalars, *fallback[2:], None)
+        return (split, tail, self._spec_id(spec, split), merge_scalars, launch, merge, fallback)
+
+    def _spec_id(self, spec: tuple, split: SplitPlan) -> int:
+        """The runner's number for what a launch of ``split`` is specialised on that the plan and the
+        lengths fix (``spec``, the layer's and the plan's metadata dtypes): launch keys stay small."""
+        return self.runner._number((spec, split.lse_offset < 2**31, self._layer[6:], self._meta_dtypes))
 
     def _metadata(self, qo_indptr, kv_indptr, kv_indices, meta: dict, check: bool):
         """The kernel's eight metadata tensors (placeholders, never read, for absent ones), their
@@ -510,19 +560,17 @@ class VerifyPlan:
                 m[5].data_ptr() if use_mask else p_kvp,
                 m[6].data_ptr() if use_mask and offsets is not None else p_kvp,
                 m[7].data_ptr() if sinks is not None else p_qo)
+        if not check:  # the entries' cache keys fixed the dtypes: the plan's
+            return m, ptrs, self._meta_dtypes
         return m, ptrs, (m[0].dtype, m[1].dtype, m[2].dtype, m[3].dtype, m[4].dtype, m[5].dtype, m[6].dtype,
                          m[7].dtype)
 
     def _split(self, n_splits: int, separate: bool = False) -> SplitPlan:
-        """The split plan for ``n_splits`` slices (``separate``: merged in a second launch); a variant of
-        merge programs known to spill merges in a second launch."""
+        """The split plan for ``n_splits`` slices (``separate``: merged in a second launch)."""
         key = (n_splits, separate)
         split = self._splits.get(key)
         if split is None:
-            split = plan_splits(self.params, self.tile, n_splits, separate)
-            if split.merge == MERGE_PROGRAMS and _variant(split) in self.spilling:
-                split = plan_splits(self.params, self.tile, n_splits, True)
-            self._splits[key] = split
+            split = self._splits[key] = plan_splits(self.params, self.tile, n_splits, separate)
         return split
 
     def _launchers_for(self, split: SplitPlan) -> Tuple[Launcher, Optional[Launcher]]:
@@ -555,39 +603,42 @@ class VerifyPlan:
         moptions = dict(num_warps=2, **({"launch_pdl": True} if pdl else {}))
         return launch, r._launcher(("merge",) + tuple(mconsts.values()), mconsts, moptions, _merge_kernel)
 
-    def _separate(self, step: Step) -> Step:
-        """``step`` merged in a second launch (a capture with no zeroed counters, or a spilling variant)."""
-        split = self._split(step.split.n_splits, True)
-        launch, merge = self._launchers_for(split)
-        return step._replace(split=split, spec=step.spec[:2] + (split.lse_offset < 2**31,), launch=launch,
-                             merge=merge)
+    # ---- what the step this thread bound last launches (read-only)
 
-    # ---- what the step bound last launches (read-only)
+    @property
+    def _seen_split(self) -> SplitPlan:
+        """The split plan of the step this thread bound last (else of the plan's own step)."""
+        sized = self._seen.sized
+        if sized is not None:
+            return sized[1][0]
+        if self.step is None:
+            raise RuntimeError("this plan was released and this thread bound no step to it")
+        return self.step.split
 
     @property
     def n_splits(self) -> int:
         """The grid's prefix slices."""
-        return self._last.n_splits
+        return self._seen_split.n_splits
 
     @property
     def grid(self) -> Tuple[int, int, int]:
         """``(tiles, n_splits [+ merge programs], 1)``."""
-        return self._last.grid
+        return self._seen_split.grid
 
     @property
     def merge(self) -> Optional[int]:
         """Who merges the slices: None (one slice), LAST_PROGRAM, MERGE_PROGRAMS or SEPARATE_MERGE."""
-        return self._last.merge
+        return self._seen_split.merge
 
     @property
     def fused(self) -> bool:
         """One launch: no merge kernel follows the verify kernel."""
-        return self._last.fused
+        return self._seen_split.fused
 
     @property
     def scratch_bytes(self) -> int:
         """Bytes of partials one run needs, sized as float32 (0 with one slice)."""
-        return self._last.scratch_bytes
+        return self._seen_split.scratch_bytes
 
     # ---- running
 
@@ -613,6 +664,9 @@ class VerifyPlan:
                 :class:`splitkv.errors.VerifyError` for a fault a kernel reported
                 in this run or an earlier launch (:mod:`splitkv.errors`).
             RuntimeError: with no step: after :meth:`release`, until the next :meth:`rebind`.
+            NotImplementedError: :class:`splitkv.resources.OutOfDeviceResources`, the split path's
+                decline, when the kernel's compile runs out of the device's resources (nothing was
+                launched; from then on the gate declines calls of this tile, as :func:`splitkv.can_handle` says).
         """
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
@@ -656,44 +710,54 @@ class VerifyPlan:
         """
         log = self._log
         log.raise_pending()
-        slot = log.take_slot(capturing(self.device))
+        captured = self._captured()
+        slot = log.take_slot(captured)
         layer = (q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg)
-        if self.spilling and _variant(step.split) in self.spilling:  # a step bound before the plan learnt it
-            step = self._separate(step)
-        if not self._launch_once(step, layer, slot):
-            self._launch_once(self._separate(step), layer, slot)
+        try:
+            if not self._launch_once(step, layer, slot, captured):
+                split, spec_id, launch, merge = step.fallback
+                self._launch_once(step._replace(split=split, key=(spec_id, *step.key[1:]), launch=launch,
+                                                merge=merge, fallback=None), layer, slot, captured)
+        except triton.OutOfResources as err:  # the shared-memory model under-estimated this tile
+            raise refuse(self.tile, str(err)) from err
         log.raise_pending()
 
-    def _launch_once(self, step: Step, layer: tuple, slot: int) -> bool:
+    def _captured(self) -> bool:
+        """Whether this run is being captured into a CUDA graph (:func:`splitkv.launch.capturing`, without
+        asking a CPU plan's device for its type)."""
+        return self._cuda and torch.cuda.is_current_stream_capturing()
+
+    def _launch_once(self, step: Step, layer: tuple, slot: int, captured: bool) -> bool:
         """:meth:`_run`'s launches; ``False`` (nothing launched) when this launch must merge in a second launch."""
         q_extend, k_extend, v_extend, k_buffer, v_buffer, out, lse_arg = layer
         stream = current_stream(self._dev_index) if self._dev_index >= 0 else None
         # The addresses serve twice: the launch key's alignment bits, and the launch itself
         # (Launcher.run_ptrs: Triton would otherwise ask the driver about each tensor again).
         # The metadata's were taken when the step was bound.
-        ptrs = tuple(t.data_ptr() for t in layer)
+        ptrs = (q_extend.data_ptr(), k_extend.data_ptr(), v_extend.data_ptr(), k_buffer.data_ptr(),
+                v_buffer.data_ptr(), out.data_ptr(), lse_arg.data_ptr())
         if (self.kv_shared and ptrs[3] != ptrs[4]) or (self.draft_shared and ptrs[1] != ptrs[2]):
             raise ValueError("this plan reads V from K's rows (v_buffer / v_extend views of k_buffer / k_extend); "
                              "this run's V is another tensor: plan again")
-        strides = (out.stride(0), out.stride(1))
+        strides = out.stride()[:2]
         # The scratch's alignment is not in the key: it is always 16-byte aligned (a workspace's
         # carve-out, allocator blocks, counter slices padded to 16 bytes, null addresses).
-        key = (step.spec, step.static_key, out.dtype, *strides, alignment_bits(ptrs))
-        scratch = self._scratch(step, stream, key)
+        key = (*step.key, out.dtype, *strides, alignment_bits(ptrs))
+        scratch = self._scratch(step, stream, key, captured)
         if scratch is None:
             return False
         parts, p_parts, cnt, p_cnt, block = scratch
         split = step.split
         try:
             if not step.launch.run_ptrs(key, split.grid, (*ptrs, *step.meta_ptrs, p_parts, split.lse_offset, p_cnt,
-                                                          self._log.address, slot, *step.tail, *strides), stream):
+                                                          self._log_address, slot, *step.tail, *strides), stream):
                 if split.n_splits == 1:  # held by no one past this call (a plan may be made inside a graph's pool)
                     parts = cnt = torch.empty(1, dtype=torch.float32, device=self.device)
                 args = (*layer, *step.meta, parts, split.lse_offset, cnt, self._log.words, slot, *step.tail, *strides)
                 if split.merge == MERGE_PROGRAMS and step.launch.spills(args, split.grid):
                     # Merge programs share the verify kernel's registers: where they would make the
                     # slices' loop spill, a second merge launch is faster (see docs/design.md).
-                    self._learn_spills(split)
+                    self._learn_spills(step)
                     return False
                 step.launch(split.grid, args, stream, key)  # compiles
             if step.merge is not None:
@@ -703,15 +767,15 @@ class VerifyPlan:
                 free_raw(block)  # back to the cache, for what this stream runs next
         return True
 
-    def _learn_spills(self, split: SplitPlan) -> None:
-        """Record that ``split``'s merge-program variant spills: its split plans merge in a second launch."""
-        self.spilling.add(_variant(split))
-        self._splits = {k: v for k, v in self._splits.items() if _variant(v) not in self.spilling}
-        self._sized = None
-        if _variant(self._last) in self.spilling:  # what the step bound last now launches
-            self._last = self._split(self._last.n_splits)
+    def _learn_spills(self, step: Step) -> None:
+        """Record with the runner that ``step``'s merge-program launcher spills: steps bound from now on
+        merge in a second launch (this thread's last lengths are sized again, so that it says so)."""
+        self.runner._spilling.add(step.launch)
+        seen = self._seen
+        if seen.sized is not None and seen.sized[1][4] is step.launch:
+            seen.sized = (seen.sized[0], self._size(*seen.sized[0]))
 
-    def _scratch(self, step: Step, stream: Optional[int], key: tuple):
+    def _scratch(self, step: Step, stream: Optional[int], key: tuple, captured: bool):
         """This run's ``(partials, address, counters, address, raw block to free)``; ``None`` (nothing
         allocated) when a capture has no zeroed counters left for a launch that merges in the grid."""
         split = step.split
@@ -728,7 +792,7 @@ class VerifyPlan:
         block = p_parts if parts is None else 0
         if not split.counters:  # a second merge launch: no counters
             return parts, p_parts, parts, p_parts, block
-        cnt = _ws.counters(self.device, split.counters, None if stream is None else (self._dev_index, stream))
+        cnt = _ws.counters(self.device, split.counters, _ws.stream_key_of(self._dev_index, stream), captured)
         if cnt is None:  # inside a capture with no zeroed counters left
             if block:
                 free_raw(block)

@@ -62,6 +62,7 @@ feature, and 192/128 and 80/64 heads (``CHUNKED_COMPILED`` in
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
@@ -69,7 +70,8 @@ import torch
 from .tile import TileConfig
 
 __all__ = ["shared_memory_bytes", "device_shared_memory", "fit_tile", "shared_memory_reason", "tile_candidates",
-           "rope_dim", "shares_rows", "H200_SHARED_MEMORY", "CALIBRATION"]
+           "rope_dim", "shares_rows", "next_pow2", "DeviceLimits", "device_limits", "H200_SHARED_MEMORY",
+           "CALIBRATION", "OutOfDeviceResources", "refuse", "refusal"]
 
 #: The H200's (and H100's) per-block opt-in shared memory: 227 KB, what Triton's launch checks against.
 H200_SHARED_MEMORY = 232448
@@ -82,7 +84,8 @@ SLACK = 1024
 CHUNKED_GRANULE = 32768
 
 
-def _pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= max(n, 1)``."""
     return 1 << (max(1, n) - 1).bit_length()
 
 
@@ -148,8 +151,8 @@ def shared_memory_bytes(config: TileConfig, head_dim: int, v_head_dim: int, kv_d
     if rope:  # two exact chunks; a shared row is K and V at once
         qk, row, draft_row = head_dim, head_dim + (0 if kv_shared else v_head_dim), head_dim + v_head_dim
     else:
-        qk = _pow2(head_dim)
-        row = draft_row = qk + _pow2(v_head_dim)
+        qk = next_pow2(head_dim)
+        row = draft_row = qk + next_pow2(v_head_dim)
     wgmma = bm >= 64 and cb == 2
     piped = stages > 1 and _index_pipelined(bn, config.num_warps, page_size)
     nbuf = 1 if stages <= 2 or piped else stages - 1
@@ -161,7 +164,7 @@ def shared_memory_bytes(config: TileConfig, head_dim: int, v_head_dim: int, kv_d
         prefix += bn * row * cb if convert else 0  # the converted K and V the dot reads
     else:
         prefix += bm * bn * cb  # P
-    nd = max(16, min(bn, _pow2(max_len_extend)))
+    nd = max(16, min(bn, next_pow2(max_len_extend)))
     draft = (max(1, stages - 1) + int(wgmma and stages > 1)) * nd * draft_row * cb + (0 if wgmma else bm * nd * cb)
     q = bm * qk * cb
     if not rope:  # a converted pool's prefix loop holds the converted query tile too
@@ -171,23 +174,88 @@ def shared_memory_bytes(config: TileConfig, head_dim: int, v_head_dim: int, kv_d
     return -(-total // CHUNKED_GRANULE) * CHUNKED_GRANULE
 
 
+def _prop(props, *names) -> Optional[int]:
+    """The first of ``names`` that ``props`` has with a positive value, as an int; ``None`` if none does."""
+    for name in names:
+        value = getattr(props, name, None)
+        if isinstance(value, (int, float)) and value > 0:
+            return int(value)
+    return None
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What an SM holds, from ``torch.cuda.get_device_properties`` (any of it may be unknown: ``None``).
+
+    Attributes:
+        num_sms: SMs (compute units on ROCm).
+        shared_memory_per_sm: shared memory (LDS) per SM, bytes.
+        shared_memory_per_block: the most one block may take (the opt-in limit where reported), bytes.
+        regs_per_sm: 32-bit registers per SM.
+        warp_size: threads per warp (64 on AMD's wavefronts).
+        max_threads_per_sm: resident threads per SM.
+        hip: a ROCm build of torch (``torch.version.hip``).
+    """
+
+    num_sms: Optional[int] = None
+    shared_memory_per_sm: Optional[int] = None
+    shared_memory_per_block: Optional[int] = None
+    regs_per_sm: Optional[int] = None
+    warp_size: int = 32
+    max_threads_per_sm: Optional[int] = None
+    hip: bool = False
+
+    @classmethod
+    def from_properties(cls, props, hip: Optional[bool] = None) -> "DeviceLimits":
+        """From a ``torch.cuda.get_device_properties`` result, or any object with some of its attributes.
+
+        Every property is optional (ROCm builds, and older torch, lack some):
+        per-block shared memory is ``shared_memory_per_block_optin``, else
+        ``shared_memory_per_block``; per SM, ``shared_memory_per_multiprocessor``,
+        else the per-block figure (one block's worth); ``warp_size`` defaults
+        to 64 on ROCm, 32 elsewhere. ``hip``: default ``torch.version.hip`` is set.
+        """
+        if hip is None:
+            import torch
+
+            hip = getattr(torch.version, "hip", None) is not None
+        per_block = _prop(props, "shared_memory_per_block_optin", "shared_memory_per_block")
+        per_sm = _prop(props, "shared_memory_per_multiprocessor", "max_shared_memory_per_multiprocessor") or per_block
+        return cls(num_sms=_prop(props, "multi_processor_count"), shared_memory_per_sm=per_sm,
+                   shared_memory_per_block=per_block,
+                   regs_per_sm=_prop(props, "regs_per_multiprocessor", "registers_per_multiprocessor"),
+                   warp_size=_prop(props, "warp_size") or (64 if hip else 32),
+                   max_threads_per_sm=_prop(props, "max_threads_per_multi_processor",
+                                            "max_threads_per_multiprocessor"),
+                   hip=bool(hip))
+
+    @property
+    def reserved_shared_memory(self) -> int:
+        """Shared memory the driver keeps per resident block (1 KB on NVIDIA since sm_80; none counted on ROCm)."""
+        return 0 if self.hip else 1024
+
+
 @functools.lru_cache(maxsize=None)
-def _optin(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).shared_memory_per_block_optin)
+def device_limits(index: int) -> DeviceLimits:
+    """The :class:`DeviceLimits` of CUDA (or ROCm) device ``index``, read once (the package's one reader of
+    ``torch.cuda.get_device_properties``' limits; :func:`splitkv.tuning.clear_cache` forgets them)."""
+    return DeviceLimits.from_properties(torch.cuda.get_device_properties(index))
 
 
 def device_shared_memory(device=None) -> Optional[int]:
-    """The per-block (opt-in) shared memory of a CUDA device, in bytes; ``None`` off CUDA.
+    """The per-block (opt-in) shared memory of a CUDA device, in bytes (:attr:`DeviceLimits.shared_memory_per_block`);
+    ``None`` off CUDA.
 
     ``None`` for the CPU (the Triton interpreter has no such limit): callers
     that want the H200's limit there pass :data:`H200_SHARED_MEMORY`
-    themselves. Read once per device (``torch.cuda.get_device_properties``).
+    themselves. Read once per device (:func:`device_limits`).
     """
     device = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     if device.type != "cuda":
         return None
-    return _optin(device.index if device.index is not None else torch.cuda.current_device())
+    return device_limits(device.index if device.index is not None else torch.cuda.current_device()
+                         ).shared_memory_per_block
 
 
 def tile_candidates(config: TileConfig) -> Iterator[TileConfig]:
@@ -233,7 +301,30 @@ def shared_memory_reason(config: TileConfig, head_dim: int, v_head_dim: int, kv_
                                            kv_shared), t)
                       for t in tile_candidates(config)), key=lambda pair: pair[0])
     rope = rope_dim(head_dim, v_head_dim)
-    dims = f"{v_head_dim}+{rope}/{v_head_dim}" if rope else f"{_pow2(head_dim)}/{_pow2(v_head_dim)}"
+    dims = f"{v_head_dim}+{rope}/{v_head_dim}" if rope else f"{next_pow2(head_dim)}/{next_pow2(v_head_dim)}"
     return (f"shared memory: the smallest tile for head dims {dims} "
             f"({tile.block_m} rows, {tile.block_n} keys, {tile.num_stages} stage{'s' if tile.num_stages > 1 else ''}) "
             f"needs {need} bytes, the device has {limit}")
+
+
+class OutOfDeviceResources(NotImplementedError):
+    """The split path declines a plan whose kernel the device cannot hold: Triton's compile raised
+    ``OutOfResources`` (a tile the shared-memory model under-estimated). What :meth:`splitkv.VerifyPlan.run`
+    raises, as context parallelism raises ``NotImplementedError`` for the calls it declines; the drop-in
+    returns ``False`` and :func:`splitkv.verify_attention` runs the baseline instead."""
+
+
+#: Tiles (:class:`splitkv.schedule.TilePlan`) whose kernel did not compile for lack of resources, with why:
+#: the gate declines them from then on, so ``can_handle`` says what a call would do.
+_REFUSED: dict = {}
+
+
+def refuse(tile, reason: str) -> OutOfDeviceResources:
+    """Record that ``tile``'s kernel does not fit the device (every later gate declines it); the decline."""
+    _REFUSED[tile] = reason = f"resources: {reason}"
+    return OutOfDeviceResources(reason)
+
+
+def refusal(tile) -> Optional[str]:
+    """Why ``tile``'s kernel did not compile on its device, or ``None`` (never tried, or it fitted)."""
+    return _REFUSED.get(tile)

@@ -12,7 +12,7 @@ agree on the kernel's actual writes).
   (GQA packing) and a block of ``BLOCK_M`` query rows: :func:`rows_per_tile`,
   :func:`block_m_for`, :func:`head_tiles`; a launch of too few tiles to fill
   the device cuts its rows further (:func:`launch_block_m`); the key tile and
-  warps come from the tuned tables (:func:`tile_config`, :mod:`splitkv.tuning`).
+  warps come from the device's tuned table (:func:`plan_tile`, :mod:`splitkv.tuning`).
 * **Slicing.** Sequence ``b``'s prefix of ``P`` keys is cut into ``n_used``
   slices of ``split_len`` keys (:func:`slicing`)::
 
@@ -59,10 +59,9 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-import triton
 
 from .kernels.common import LAST_PROGRAM, MERGE_PROGRAMS, SEPARATE_MERGE
-from .resources import device_shared_memory, fit_tile, shared_memory_reason
+from .resources import device_shared_memory, fit_tile, next_pow2, shared_memory_reason
 from .tile import TileConfig
 
 __all__ = [
@@ -80,11 +79,6 @@ __all__ = [
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative ints."""
     return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    """The smallest power of two ``>= max(n, 1)``."""
-    return 1 << (max(1, n) - 1).bit_length()
 
 
 def element_size(dtype: torch.dtype) -> int:
@@ -106,7 +100,7 @@ def block_m_for(rows: int) -> int:
     At least 16 for the tensor cores; at most 64 to bound the fp32
     accumulator ``BLOCK_M x DV`` (more rows take several row blocks).
     """
-    return min(64, max(16, triton.next_power_of_2(rows)))
+    return min(64, max(16, next_pow2(rows)))
 
 
 def tile_config(head_dim: int, v_head_dim: int, rows: int, interpret: bool = False,
@@ -132,13 +126,24 @@ def tile_config(head_dim: int, v_head_dim: int, rows: int, interpret: bool = Fal
     Returns:
         The :class:`TileConfig`.
     """
-    from .tuning import table_for
-
     block_m = block_m or block_m_for(rows)
     if interpret:
-        return TileConfig(block_m, 16, 4, 1)
-    table = table_for(None) if table is None else table
-    return TileConfig(block_m, *table.tile(max(head_dim, v_head_dim), block_m, kv_bytes, page_size))
+        return interpreter_tile(block_m)
+    if table is None:
+        from .tuning import table_for
+
+        table = table_for(None)
+    return _tile_of(block_m, table.row(max(head_dim, v_head_dim), block_m, kv_bytes, page_size))
+
+
+def interpreter_tile(block_m: int) -> TileConfig:
+    """The Triton interpreter's tile: small blocks, which the CPU runs quickest."""
+    return TileConfig(block_m, 16, 4, 1)
+
+
+def _tile_of(block_m: int, row) -> TileConfig:
+    """A :class:`TileConfig` of ``block_m`` rows from a table row (:class:`splitkv.tuning.TileRow`)."""
+    return TileConfig(block_m, row.block_n, row.num_warps, row.num_stages, row.k_rows)
 
 
 #: Fewest query rows a tile is cut to (a tensor-core dot's height).
@@ -664,6 +669,7 @@ class TilePlan:
     """A plan's tile, fixed when the plan is made.
 
     Attributes:
+        params, facts: what it was planned from (a plan takes a tile planned from equal ones).
         config: the tile shape.
         small: the small-launch schedule (one program per SM, one wave).
         head_tiles: tiles per sequence at ``config.block_m`` rows.
@@ -672,6 +678,8 @@ class TilePlan:
         programs_per_sm: programs of this tile one SM holds at once.
     """
 
+    params: VerifyParams
+    facts: DeviceFacts
     config: TileConfig
     small: bool
     head_tiles: int
@@ -713,7 +721,7 @@ class SplitPlan:
 
 def device_facts(device, num_sms: Optional[int] = None) -> DeviceFacts:
     """The schedule's :class:`DeviceFacts` of ``device`` (``num_sms``: plan for that many SMs instead)."""
-    from .validate import interpreting
+    from .launch import interpreting
 
     device = torch.device(device)
     return DeviceFacts(num_sms if num_sms is not None else device_sm_count(device), device_shared_memory(device),
@@ -733,16 +741,22 @@ def launch_rows(p: VerifyParams, facts: DeviceFacts) -> int:
 
 
 def plan_tile(p: VerifyParams, facts: DeviceFacts, table, prefix: int = 0) -> TilePlan:
-    """The tile for ``p`` on a device, for sequences of about ``prefix`` keys: the tuned tile
-    (``table``: the device's :class:`splitkv.tuning.TunedTable`), or the small-launch tile where it was
-    measured faster, shrunk
-    where it would not fit the device's shared memory (:func:`splitkv.resources.fit_tile`).
+    """The tile for ``p`` on a device, for sequences of about ``prefix`` keys: the tuned tile, or the
+    small-launch tile where it was measured faster, shrunk where it would not fit the device's shared
+    memory (:func:`splitkv.resources.fit_tile`).
+
+    ``table`` is the device's :class:`splitkv.tuning.TunedTable` (its own file, a user's, or one derived
+    from the device's properties: :func:`splitkv.tuning.table_for`); the tile, its K layout and the
+    programs per SM come from one of its rows (:meth:`~splitkv.tuning.TunedTable.row`). The gate plans
+    the tile of a new call and its plan takes that one (:func:`splitkv.gate.admit`).
 
     Raises:
         ValueError: when no tile fits (the gate declines such calls first).
     """
     block_m = launch_rows(p, facts)
     widest, kv_bytes = max(p.head_dim, p.v_head_dim), element_size(p.kv_dtype)
+    # The tile, its K layout and the programs per SM the split chooser counts: one row of the device's table.
+    row = table.row(widest, block_m, kv_bytes, p.page_size)
     small = None
     if not (p.batch_size is None or p.fixed_shape or facts.interpreting):
         small = table.small_batch_tile(widest, block_m, kv_bytes, p.batch_size * p.head_tiles(block_m),
@@ -750,11 +764,12 @@ def plan_tile(p: VerifyParams, facts: DeviceFacts, table, prefix: int = 0) -> Ti
     if p.config is not None:
         cfg = p.config
     else:
-        if small is not None:
+        if facts.interpreting:
+            cfg = interpreter_tile(block_m)
+        elif small is not None:
             cfg = TileConfig(block_m, *small)
         else:
-            cfg = tile_config(p.head_dim, p.v_head_dim, rows_per_tile(p.heads_per_tile, p.max_len_extend),
-                              facts.interpreting, kv_bytes=kv_bytes, page_size=p.page_size, block_m=block_m)
+            cfg = _tile_of(block_m, row)
         fitted = fit_tile(cfg, p.head_dim, p.v_head_dim, p.kv_dtype, p.q_dtype, facts.shared_memory, p.page_size,
                           p.max_len_extend, p.kv_shared)
         if fitted is None:
@@ -762,10 +777,10 @@ def plan_tile(p: VerifyParams, facts: DeviceFacts, table, prefix: int = 0) -> Ti
                                                   facts.shared_memory, p.page_size, p.max_len_extend, p.kv_shared))
         cfg = fitted
     per_seq = p.head_tiles(cfg.block_m)
-    return TilePlan(config=cfg, small=small is not None, head_tiles=per_seq,
+    return TilePlan(params=p, facts=facts, config=cfg, small=small is not None, head_tiles=per_seq,
                     tiles=(p.batch_size or 1) * per_seq,
                     min_split=min_split_for(cfg.block_n, table.min_split_tokens()),
-                    programs_per_sm=table.programs_per_sm(widest, cfg.block_m, kv_bytes, p.page_size))
+                    programs_per_sm=row.programs_per_sm)
 
 
 def count_splits(p: VerifyParams, tile: TilePlan, facts: DeviceFacts, table, prefix: int) -> int:

@@ -44,10 +44,9 @@ threads per SM. One warning per device name says so, and how to tune. Under
 the Triton interpreter (``table_for(None)`` or a CPU device) the default
 table's answers hold, with shorter slices (:data:`INTERPRETER_MIN_SPLIT_TOKENS`).
 
-Module-level ``TUNED``, ``TABLE_PATH``, ``tuned_tile``, ``programs_per_sm``,
-``min_split_tokens``, ``small_batch_tile``, ``k_rows`` and ``paged_tile_row``
-are kept for callers not yet moved to :func:`table_for`; each is a thin
-wrapper over it (see their docstrings).
+Module-level ``TUNED``, ``TABLE_PATH``, ``min_split_tokens`` and
+``small_batch_tile`` are kept for the notebooks; each is a thin wrapper over
+:func:`table_for` (see their docstrings).
 """
 
 from __future__ import annotations
@@ -60,18 +59,19 @@ import os
 import re
 import threading
 import warnings
+from collections import abc
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
-from .validate import interpreting
+from .resources import DeviceLimits, device_limits
+from .launch import interpreting
 
-__all__ = ["TunedTable", "DeviceLimits", "table_for", "table_named", "normalise_name", "user_dir", "table_path",
-           "clear_cache", "using", "PACKAGE_TABLES", "DEFAULT_DEVICE", "TUNED_DIR_ENV", "DEFAULT_TILES",
+__all__ = ["TunedTable", "TileRow", "DeviceLimits", "table_for", "table_named", "normalise_name", "user_dir",
+           "table_path", "clear_cache", "using", "PACKAGE_TABLES", "DEFAULT_DEVICE", "TUNED_DIR_ENV", "DEFAULT_TILES",
            "SMALL_BATCH_SMS_PER_TILE", "SMALL_BATCH_MAX_PREFIX", "INTERPRETER_MIN_SPLIT_TOKENS",
-           # wrappers over table_for, kept for callers not yet moved (see the module docstring)
-           "TUNED", "TABLE_PATH", "tuned_tile", "programs_per_sm", "min_split_tokens", "small_batch_tile", "k_rows",
-           "paged_tile_row"]
+           # wrappers over table_for, kept for the notebooks (see the module docstring)
+           "TUNED", "TABLE_PATH", "min_split_tokens", "small_batch_tile"]
 
 #: The tables the package ships, one ``<normalise_name(device)>.json`` each.
 PACKAGE_TABLES = os.path.join(os.path.dirname(__file__), "tables")
@@ -155,85 +155,32 @@ def table_path(device_name: str) -> Optional[str]:
     return None
 
 
-# ---------------------------------------------------------------------------- a device's limits
-
-
-def _prop(props, *names) -> Optional[int]:
-    """The first of ``names`` that ``props`` has with a positive value, as an int; ``None`` if none does."""
-    for name in names:
-        value = getattr(props, name, None)
-        if isinstance(value, (int, float)) and value > 0:
-            return int(value)
-    return None
-
-
-@dataclass(frozen=True)
-class DeviceLimits:
-    """What an SM holds, from ``torch.cuda.get_device_properties`` (any of it may be unknown: ``None``).
-
-    Attributes:
-        num_sms: SMs (compute units on ROCm).
-        shared_memory_per_sm: shared memory (LDS) per SM, bytes.
-        shared_memory_per_block: the most one block may take (the opt-in limit where reported), bytes.
-        regs_per_sm: 32-bit registers per SM.
-        warp_size: threads per warp (64 on AMD's wavefronts).
-        max_threads_per_sm: resident threads per SM.
-        hip: a ROCm build of torch (``torch.version.hip``).
-    """
-
-    num_sms: Optional[int] = None
-    shared_memory_per_sm: Optional[int] = None
-    shared_memory_per_block: Optional[int] = None
-    regs_per_sm: Optional[int] = None
-    warp_size: int = 32
-    max_threads_per_sm: Optional[int] = None
-    hip: bool = False
-
-    @classmethod
-    def from_properties(cls, props, hip: Optional[bool] = None) -> "DeviceLimits":
-        """From a ``torch.cuda.get_device_properties`` result, or any object with some of its attributes.
-
-        Every property is optional (ROCm builds, and older torch, lack some):
-        per-block shared memory is ``shared_memory_per_block_optin``, else
-        ``shared_memory_per_block``; per SM, ``shared_memory_per_multiprocessor``,
-        else the per-block figure (one block's worth); ``warp_size`` defaults
-        to 64 on ROCm, 32 elsewhere. ``hip``: default ``torch.version.hip`` is set.
-        """
-        if hip is None:
-            import torch
-
-            hip = getattr(torch.version, "hip", None) is not None
-        per_block = _prop(props, "shared_memory_per_block_optin", "shared_memory_per_block")
-        per_sm = _prop(props, "shared_memory_per_multiprocessor", "max_shared_memory_per_multiprocessor") or per_block
-        return cls(num_sms=_prop(props, "multi_processor_count"), shared_memory_per_sm=per_sm,
-                   shared_memory_per_block=per_block,
-                   regs_per_sm=_prop(props, "regs_per_multiprocessor", "registers_per_multiprocessor"),
-                   warp_size=_prop(props, "warp_size") or (64 if hip else 32),
-                   max_threads_per_sm=_prop(props, "max_threads_per_multi_processor",
-                                            "max_threads_per_multiprocessor"),
-                   hip=bool(hip))
-
-    @property
-    def reserved_shared_memory(self) -> int:
-        """Shared memory the driver keeps per resident block (1 KB on NVIDIA since sm_80; none counted on ROCm)."""
-        return 0 if self.hip else 1024
-
-
 # ---------------------------------------------------------------------------- the table
 
 
+class _Frozen(tuple):
+    """A list of JSON data once frozen (:func:`_freeze` passes it through)."""
+
+
 def _freeze(obj: Any) -> Any:
-    """A read-only deep copy of JSON data: dicts as mapping proxies, lists as tuples."""
-    if isinstance(obj, Mapping):
-        return MappingProxyType({k: _freeze(v) for k, v in obj.items()})
+    """A read-only deep copy of JSON data: dicts as mapping proxies, lists as tuples. Data already frozen
+    is returned as it is (tables are made from frozen files), and only containers cost a call."""
+    if type(obj) is MappingProxyType or type(obj) is _Frozen:
+        return obj
+    if isinstance(obj, abc.Mapping):
+        return MappingProxyType({k: v if type(v) in _SCALARS else _freeze(v) for k, v in obj.items()})
     if isinstance(obj, (list, tuple)):
-        return tuple(_freeze(v) for v in obj)
+        return _Frozen([v if type(v) in _SCALARS else _freeze(v) for v in obj])
     return obj
+
+
+#: What JSON holds that is read-only already.
+_SCALARS = frozenset((str, int, float, bool, type(None)))
 
 
 def _thaw(obj: Any) -> Any:
     """A plain (JSON) deep copy of :func:`_freeze`'s output: dicts and lists again."""
-    if isinstance(obj, Mapping):
+    if isinstance(obj, abc.Mapping):
         return {k: _thaw(v) for k, v in obj.items()}
     if isinstance(obj, tuple):
         return [_thaw(v) for v in obj]
@@ -242,7 +189,7 @@ def _thaw(obj: Any) -> Any:
 
 def _rows(rows, *fields) -> Mapping:
     """Rows (a list of dicts, or an already keyed mapping) keyed by ``fields``, read-only, in their order."""
-    if isinstance(rows, Mapping):
+    if isinstance(rows, abc.Mapping):
         return MappingProxyType({tuple(k): _freeze(r) for k, r in rows.items()})
     return MappingProxyType({tuple(r[f] for f in fields): _freeze(r) for r in rows or ()})
 
@@ -366,6 +313,11 @@ class TunedTable:
 
     # -- answers
 
+    def row(self, head_dim: int, block_m: int, kv_bytes: int, page_size: int = 1) -> "TileRow":
+        """Everything a launch takes from the table for one key, in one lookup: :meth:`tile`'s block sizes
+        and K layout with :meth:`programs_per_sm`'s count (the schedule's one read of the table per plan)."""
+        return _row(self, head_dim, block_m, kv_bytes, page_size)
+
     def tile(self, head_dim: int, block_m: int, kv_bytes: int, page_size: int = 1) -> Tile:
         """``(block_n, num_warps, num_stages, k_rows)`` for the widest head dim, BLOCK_M and pool element size.
 
@@ -445,6 +397,24 @@ class TunedTable:
         if row is None:
             return None
         return row["block_n"], row["num_warps"], row["num_stages"], self.k_rows(head_dim, block_m, kv_bytes)
+
+
+@dataclass(frozen=True)
+class TileRow:
+    """A key's launch settings from one table (:meth:`TunedTable.row`): the tile's ``block_n``,
+    ``num_warps``, ``num_stages`` and K layout (``k_rows``), and the programs of it an SM holds."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    k_rows: bool
+    programs_per_sm: int
+
+
+@functools.lru_cache(maxsize=None)
+def _row(table: TunedTable, head_dim: int, block_m: int, kv_bytes: int, page_size: int) -> TileRow:
+    return TileRow(*table.tile(head_dim, block_m, kv_bytes, page_size),
+                   programs_per_sm=table.programs_per_sm(head_dim, block_m, kv_bytes, page_size))
 
 
 @functools.lru_cache(maxsize=None)
@@ -532,6 +502,8 @@ def clear_cache() -> None:
         _warned.clear()
         _nearest.cache_clear()
         _derived_pps.cache_clear()
+        _row.cache_clear()
+        device_limits.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)
@@ -649,7 +621,7 @@ def table_for(device=None) -> TunedTable:
         name = getattr(props, "name", None) or torch.cuda.get_device_name(index)
         if not name and getattr(torch.version, "hip", None):
             name = str(getattr(props, "gcnArchName", "") or "")
-        table = table_named(name or "unknown gpu", DeviceLimits.from_properties(props))
+        table = table_named(name or "unknown gpu", device_limits(index))
         with _lock:
             _by_index[index] = table
     return table
@@ -680,7 +652,7 @@ def using(table: TunedTable) -> Iterator[TunedTable]:
 
 
 # ---------------------------------------------------------------------------- wrappers over table_for
-# Kept for callers not yet moved to table_for; each answers for the current device.
+# Kept for the notebooks; each answers for the current device.
 
 
 def _current() -> TunedTable:
@@ -701,26 +673,6 @@ TABLE_PATH = os.path.join(PACKAGE_TABLES, normalise_name(DEFAULT_DEVICE) + ".jso
 #: Wrapper over :func:`table_for`: the package's H200 table in the old keyed form
 #: (``TunedTable.keyed()``), read-only. Use ``table_for(device)``'s attributes.
 TUNED: Mapping = TunedTable.from_json(_load(TABLE_PATH), DEFAULT_DEVICE, TABLE_PATH, True).keyed()
-
-
-def tuned_tile(head_dim: int, block_m: int, kv_bytes: int, page_size: int = 1) -> Tile:
-    """Wrapper over :func:`table_for`: ``table_for(current device).tile(...)`` (see :meth:`TunedTable.tile`)."""
-    return _current().tile(head_dim, block_m, kv_bytes, page_size)
-
-
-def k_rows(head_dim: int, block_m: int, kv_bytes: int, page_size: int = 1) -> bool:
-    """Wrapper over :func:`table_for`: ``table_for(current device).k_rows(...)``."""
-    return _current().k_rows(head_dim, block_m, kv_bytes, page_size)
-
-
-def paged_tile_row(head_dim: int, block_m: int, kv_bytes: int, page_size: int):
-    """Wrapper over :func:`table_for`: ``table_for(current device).paged_tile_row(...)``."""
-    return _current().paged_tile_row(head_dim, block_m, kv_bytes, page_size)
-
-
-def programs_per_sm(head_dim: int, block_m: int, kv_bytes: int, page_size: int = 1) -> int:
-    """Wrapper over :func:`table_for`: ``table_for(current device).programs_per_sm(...)``."""
-    return _current().programs_per_sm(head_dim, block_m, kv_bytes, page_size)
 
 
 def min_split_tokens() -> int:

@@ -8,17 +8,17 @@ so it is safe inside CUDA-graph capture.
 from __future__ import annotations
 
 import numbers
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from .launch import interpreting
 from .options import _batch_invariant_problem
 from .paged import paged_prefix_lens
 
 __all__ = ["Dims", "check_call", "check_values", "check_verify_inputs", "check_verify_values", "check_output",
-           "check_batch_invariant", "device_index", "interpreting",
+           "check_batch_invariant", "device_index",
            "ACT_DTYPES", "KV_DTYPES"]
 
 #: dtypes of queries, draft K/V and outputs.
@@ -28,11 +28,6 @@ KV_DTYPES = ACT_DTYPES + tuple(
     getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
 )
 INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run through the interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,11 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .launch import alloc_raw, capturing, current_stream
+from .resources import next_pow2
 from .schedule import GRID_COUNTERS, counter_bytes
 from .validate import device_index
 
-__all__ = ["counters", "new_partials", "Workspace", "stream_key"]
+__all__ = ["counters", "new_partials", "Workspace", "stream_key", "stream_key_of"]
 
 
 #: Counters per (device, stream): ``{(device index, raw stream handle): int32 tensor}``.
@@ -48,10 +49,15 @@ _OUTGROWN: list = []
 
 def stream_key(device: torch.device) -> Tuple[int, int]:
     """``(device index, raw stream handle)`` of ``device``'s current stream."""
-    if device.type != "cuda":
-        return (-1, threading.get_ident())  # the interpreter runs a launch on the calling thread
     index = device_index(device)
-    return (index, current_stream(index))
+    return stream_key_of(index, current_stream(index) if index >= 0 else None)
+
+
+def stream_key_of(index: int, stream: Optional[int]) -> Tuple[int, int]:
+    """:func:`stream_key` of device ``index`` (-1: the CPU) and its current ``stream`` (``None`` on the CPU)."""
+    if index < 0:
+        return (-1, threading.get_ident())  # the interpreter runs a launch on the calling thread
+    return (index, stream)
 
 
 def new_partials(device: torch.device, nbytes: int, stream: Optional[int], raw: bool
@@ -84,8 +90,8 @@ class Workspace:
         self.counters.zero_()
 
 
-def counters(device: torch.device, tiles: int, key: Optional[Tuple[int, int]] = None
-             ) -> Optional[torch.Tensor]:
+def counters(device: torch.device, tiles: int, key: Optional[Tuple[int, int]] = None,
+             captured: Optional[bool] = None) -> Optional[torch.Tensor]:
     """Zeroed tile counters (at least ``tiles``) for a launch on ``device``'s current stream, or ``None``.
 
     Eager launches on one stream run one after another, so they share that
@@ -97,9 +103,10 @@ def counters(device: torch.device, tiles: int, key: Optional[Tuple[int, int]] = 
     after the arena was in use): when no arena has room this returns ``None``
     and the plan merges in a second launch, which needs no counters. Arrays
     and arenas are never freed (a captured graph may still use them).
-    ``key``: the stream's :func:`stream_key`, when the caller has it.
+    ``key``: the stream's :func:`stream_key`, ``captured``: whether it is being captured, when the
+    caller has them.
     """
-    if capturing(device):
+    if capturing(device) if captured is None else captured:
         with _LOCK:
             return _arena_slice(device, tiles, allocate=False)
     key = key or stream_key(device)
@@ -109,7 +116,7 @@ def counters(device: torch.device, tiles: int, key: Optional[Tuple[int, int]] = 
     with _LOCK:
         if arr is not None:
             _OUTGROWN.append(arr)
-        arr = _COUNTERS[key] = _arena_slice(device, max(_MIN_COUNTERS, 1 << (tiles - 1).bit_length()))
+        arr = _COUNTERS[key] = _arena_slice(device, max(_MIN_COUNTERS, next_pow2(tiles)))
     return arr
 
 

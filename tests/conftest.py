@@ -154,9 +154,9 @@ def last_plan():
     """The plan the drop-in used for its latest call (the most recently used cache entry)."""
     from splitkv import api
 
-    plans = api._CACHES.plans  # this thread's plan cache
+    plans = api._CACHES.plans  # this thread's plan cache: [plan, when last used] by signature
     assert plans, "no drop-in call has been planned"
-    return next(reversed(plans.values()))
+    return max(plans.values(), key=lambda entry: entry[1])[0]
 
 
 def all_counters_zero() -> bool:

@@ -82,6 +82,46 @@ def test_another_threads_report_is_not_raised_here_but_stays_pending():
         check_device_errors(DEVICE)
 
 
+def test_another_threads_pending_report_costs_this_thread_no_scan(monkeypatch):
+    """The first call after another thread's report reads the log once and keeps the report for that
+    thread; this thread's later calls read no slot, and the launching thread raises its report."""
+    from splitkv.errors import FaultLog
+
+    scans, real = [], FaultLog._take_reports
+    monkeypatch.setattr(FaultLog, "_take_reports", lambda self, *a: scans.append(1) or real(self, *a))
+    other = {}
+
+    def launch_then_wait():
+        other["slot"] = _pending_launch()
+        other["go"] = threading.Event()
+        other["ready"].set()
+        other["go"].wait()
+        fault_log(DEVICE).raise_pending()
+
+    other["ready"] = threading.Event()
+    t = threading.Thread(target=lambda: other.update(result=_capture(launch_then_wait)))
+    t.start()
+    other["ready"].wait()
+    _report(other["slot"], ERR_SLOT.value)
+    p = _problem()
+    for _ in range(3):
+        assert_matches_reference(verify_attention(*p.tensors(None), **p.options()), p)
+    assert len(scans) == 1 and fault_log(DEVICE).words[0] == 0
+    other["go"].set()
+    t.join()
+    assert isinstance(other["result"], VerifyError) and "sequence 0: kv_indices" in str(other["result"])
+    raise_pending_faults(DEVICE)  # raised once: nothing left
+
+
+def _capture(fn):
+    """What ``fn`` raised, or ``None``."""
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - handed back to the test
+        return err
+    return None
+
+
 def test_a_captured_launchs_report_is_raised_by_any_thread():
     slot = _in_thread(lambda: _pending_launch(captured=True))["value"]
     _report(slot, ERR_COUNTERS.value)

@@ -375,8 +375,8 @@ def test_counters_first_allocated_inside_a_capture(monkeypatch):
     from splitkv import workspace as workspace_mod
     from splitkv.plan import VerifyPlan
 
-    separated, real = [], VerifyPlan._separate
-    monkeypatch.setattr(VerifyPlan, "_separate", lambda self, step: separated.append(1) or real(self, step))
+    separated, real = [], VerifyPlan._launch_merge
+    monkeypatch.setattr(VerifyPlan, "_launch_merge", lambda self, *a: separated.append(1) or real(self, *a))
 
     p = model_problem("llama3-8b", [6000] * 4)
     stream = torch.cuda.Stream()

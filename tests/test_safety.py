@@ -15,7 +15,7 @@ from splitkv.schedule import TileConfig
 from splitkv.schedule import LAST_PROGRAM, MERGE_PROGRAMS
 from splitkv.testing import make_problem, paged_problem, reference_for
 
-from conftest import DEVICE, assert_close, raises_kernel_fault
+from conftest import DEVICE, assert_close, last_plan, raises_kernel_fault
 
 F32 = torch.float32
 
@@ -307,7 +307,7 @@ def test_each_thread_has_its_own_plans():
                 o = problems[i].new_output()
                 assert verify_splitkv_fwd(*problems[i].args(o), **problems[i].kwargs())
                 assert_close(o, reference_for(problems[i]))
-            plans[i] = next(reversed(splitkv.api._CACHES.plans.values()))
+            plans[i] = last_plan()
         except Exception as err:  # noqa: BLE001 - reported below
             errors.append(err)
 

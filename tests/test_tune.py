@@ -212,7 +212,7 @@ def test_a_gpu_without_a_tuned_table_gets_one_notice(monkeypatch, user_dir, inte
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rows = [tuning.table_for(torch.device("cuda", 0)).tile(128, 16, 2, 1) for _ in range(3)]
-        tuning.tuned_tile(128, 16, 2)
+        tuning.small_batch_tile(128, 16, 2, 1, 108, 4096)
     assert all(r == rows[0] for r in rows)
     notices = [w for w in caught if "splitkv.bench.tune" in str(w.message)]
     assert len(notices) == (1 if warns else 0)

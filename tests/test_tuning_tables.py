@@ -161,13 +161,13 @@ def test_the_h200_gets_the_old_answers():
     assert interp is tuning.table_for(torch.device("cpu")) and interp.interpreter
     assert interp.min_split_tokens() == old.min_split_tokens(True) == 32
     _same_answers(interp, old)
-    if torch.cuda.is_available():
-        return  # the wrappers below answer for this GPU's table there
-    # The wrappers (no CUDA here: the interpreter's table).
+    # One row answers as the separate lookups did (the interpreter's table, on any machine).
     for hd, bm, kb, ps in _grid():
-        assert tuning.tuned_tile(hd, bm, kb, ps) == old.tuned_tile(hd, bm, kb, ps)
-        assert tuning.programs_per_sm(hd, bm, kb, ps) == old.programs_per_sm(hd, bm, kb, ps)
-        assert tuning.k_rows(hd, bm, kb, ps) == old.k_rows(hd, bm, kb, ps)
+        row = interp.row(hd, bm, kb, ps)
+        assert (row.block_n, row.num_warps, row.num_stages, row.k_rows) == old.tuned_tile(hd, bm, kb, ps)
+        assert row.programs_per_sm == old.programs_per_sm(hd, bm, kb, ps)
+    if torch.cuda.is_available():
+        return  # the kept wrappers below answer for this GPU's table there
     assert tuning.small_batch_tile(128, 16, 2, 1, 132, 4096) == old.small_batch_tile(128, 16, 2, 1, 132, 4096)
     assert tuning.TUNED["tiles"].keys() == old.TUNED["tiles"].keys()
     assert tuning.TUNED["min_split_tokens"] == old.TUNED["min_split_tokens"]
@@ -355,7 +355,7 @@ def test_table_for_a_cuda_device_reads_its_name_and_properties(monkeypatch, prop
     assert tables[0].device_name == props["name"] and tables[0].measured is not untuned
     assert len([w for w in caught if "splitkv.bench.tune" in str(w.message)]) == int(untuned)
     # The wrappers answer for the current device.
-    assert tuning.programs_per_sm(128, 16, 2) == tables[0].programs_per_sm(128, 16, 2)
+    assert tuning.small_batch_tile(128, 16, 2, 1, 132, 4096) == tables[0].small_batch_tile(128, 16, 2, 1, 132, 4096)
     assert tuning.min_split_tokens() == 128
 
 
@@ -445,3 +445,60 @@ def test_odd_names_normalise_to_safe_file_names(name, stem):
 def test_a_long_name_is_cut():
     stem = tuning.normalise_name("GPU " * 200)
     assert len(stem) <= 100 and re.fullmatch(r"[a-z0-9_]+", stem) and not stem.endswith("_")
+
+
+# ---------------------------------------------------------------------------- the plan reads the device's own table
+
+
+def _plan_tile(table, props, head_dim=128, group=4, batch=8, prefix=4096):
+    from splitkv.schedule import DeviceFacts, VerifyParams, plan_tile
+
+    p = VerifyParams(8 * group, 8, head_dim, head_dim, 4, batch, torch.bfloat16, torch.bfloat16)
+    facts = DeviceFacts(props["multi_processor_count"], props["shared_memory_per_block_optin"], False)
+    return p, plan_tile(p, facts, table, prefix)
+
+
+def test_a_tuned_gpus_plan_takes_tile_and_programs_per_sm_from_one_row_of_its_own_table(tmp_path):
+    """A user table for another GPU whose every tile row says (32 keys, 8 warps, 3 stages, 3 programs per SM):
+    its plans take that tile and that count, where the H200's table gives another tile."""
+    data = tuning.table_named(H200).to_json()
+    for row in data["tiles"] + data["paged_tiles"]:
+        row.update(block_n=32, num_warps=8, num_stages=3, programs_per_sm=3)
+    data.update(device=A100_PROPS["name"], small_batch_tiles=[])
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / "nvidia_a100_sxm4_80gb.json").write_text(json.dumps(data))
+    table = tuning.table_named(A100_PROPS["name"], _limits(A100_PROPS))
+    assert table.measured and table.source.startswith(str(tmp_path / "user"))
+    p, tile = _plan_tile(table, A100_PROPS)
+    key = (128, tile.config.block_m, 2)
+    cfg = tile.config
+    assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.k_rows) == (32, 8, 3, table.tiles[key].get("k_rows", False))
+    assert tile.programs_per_sm == 3
+    _, h200_tile = _plan_tile(tuning.table_named(H200), A100_PROPS)
+    assert h200_tile.config != cfg
+    assert h200_tile.programs_per_sm == tuning.table_named(H200).tiles[key]["programs_per_sm"]
+
+
+#: A GPU with 64 KB of shared memory per SM and block: the H200's head-dim-256 tiles do not fit it.
+SMALL_PROPS = dict(RTX4090_PROPS, name="small gpu", shared_memory_per_multiprocessor=65536,
+                   shared_memory_per_block_optin=65536)
+
+
+@pytest.mark.parametrize("props, head_dim", [(RTX4090_PROPS, 128), (SMALL_PROPS, 256)])
+def test_an_untuned_gpus_plan_gets_a_tile_that_fits_its_shared_memory(props, head_dim):
+    """A GPU without a table: its plan shrinks the H200's tile until the shared-memory model says it fits the
+    GPU's, and counts the programs per SM derived from the GPU's own limits."""
+    from splitkv.resources import shared_memory_bytes
+    from splitkv.schedule import TileConfig
+
+    table = tuning.table_named(props["name"], _limits(props), notice=False)
+    assert not table.measured
+    p, tile = _plan_tile(table, props, head_dim=head_dim)
+    limit = props["shared_memory_per_block_optin"]
+    assert shared_memory_bytes(tile.config, head_dim, head_dim, p.kv_dtype, p.q_dtype, 1, 4) <= limit
+    row = table.row(head_dim, tile.config.block_m, 2)
+    tuned = TileConfig(tile.config.block_m, row.block_n, row.num_warps, row.num_stages, row.k_rows)
+    fits = shared_memory_bytes(tuned, head_dim, head_dim, p.kv_dtype, p.q_dtype, 1, 4) <= limit
+    assert (tile.config == tuned) == fits and fits == (props is RTX4090_PROPS)
+    assert tile.programs_per_sm == table.programs_per_sm(head_dim, tile.config.block_m, 2)
+    assert 1 <= tile.programs_per_sm <= tuning.table_named(H200).programs_per_sm(head_dim, tile.config.block_m, 2)

@@ -589,24 +589,27 @@ def test_merge_programs_load_more_slices_per_step_in_long_launches():
 
 def test_merge_programs_give_way_when_the_kernel_spills(monkeypatch):
     """A plan whose compiled kernel would spill registers with merge programs merges in a second
-    launch instead, from its first run on: the plan learns the variant spills (``spilling``), steps
-    bound from then on merge in a second launch; same bits, counters untouched."""
+    launch instead, from its first run on: the runner learns the launcher spills, steps bound from
+    then on merge in a second launch (the plan's own step is not changed: its runs take its
+    fallback); same bits, counters untouched."""
     from splitkv.launch import Launcher
 
     p = make_problem(SLICED, SLICED_EXT, 8, 1, 32, sinks=True, device=DEVICE, seed=18)
     shape = (8, 1, 32, 32, p.max_len_extend, p.batch_size)
     plan = plan_of(VerifySplitKV(*shape, DEVICE), p)
-    assert plan.merge == MERGE_PROGRAMS and not plan.spilling
+    assert plan.merge == MERGE_PROGRAMS and not plan.runner._spilling
+    own = plan.step
     monkeypatch.setattr(Launcher, "spills", lambda self, args, grid: True)
     out = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
-    assert len(plan.spilling) == 1
+    assert plan.runner._spilling == {own.launch} and plan.step is own
     assert plan.merge == SEPARATE_MERGE and not plan.fused and plan.grid[1] == plan.n_splits
     plan.rebind(p.qo_indptr, p.kv_indptr, p.kv_indices, sinks=p.sinks)
-    assert plan.merge == SEPARATE_MERGE and not plan.fused
+    assert plan.merge == SEPARATE_MERGE and not plan.fused and plan.step.fallback is None
     again = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
+    stale = plan.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output(), step=own)
     spread = plan_of(VerifySplitKV(*shape, DEVICE, one_launch=False), p)
     ref = spread.run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer, out=p.new_output())
-    assert torch.equal(out, ref) and torch.equal(again, ref)
+    assert torch.equal(out, ref) and torch.equal(again, ref) and torch.equal(stale, ref)
     assert_matches_reference(out, p)
     assert all_counters_zero()
 
@@ -863,7 +866,7 @@ def test_counters_for_a_stream_first_seen_inside_a_capture(monkeypatch):
 
     monkeypatch.setattr(workspace_mod, "_COUNTERS", {})
     monkeypatch.setattr(workspace_mod, "_ARENAS", {})
-    monkeypatch.setattr(workspace_mod, "capturing", lambda device: True)
+    monkeypatch.setattr(VerifyPlan, "_captured", lambda self: True)  # what a run asks
     pl = plan()
     assert pl.fused
     merges = []
@@ -875,11 +878,11 @@ def test_counters_for_a_stream_first_seen_inside_a_capture(monkeypatch):
     assert not workspace_mod._ARENAS, "nothing may be allocated inside a capture"
     assert_matches_reference(out, p)
 
-    monkeypatch.setattr(workspace_mod, "capturing", lambda device: False)
+    monkeypatch.setattr(VerifyPlan, "_captured", lambda self: False)
     plan().run(p.q_extend, p.k_extend, p.v_extend, p.k_buffer, p.v_buffer)  # eager: the arena is made
     arena = next(iter(workspace_mod._ARENAS.values()))[0]
     monkeypatch.setattr(workspace_mod, "_COUNTERS", {})  # a stream never seen before...
-    monkeypatch.setattr(workspace_mod, "capturing", lambda device: True)  # ...inside a capture
+    monkeypatch.setattr(VerifyPlan, "_captured", lambda self: True)  # ...inside a capture
     # A captured launch's counters are its own slice, kept in no per-stream table: catch what it was given.
     handed, real_counters = [], workspace_mod.counters
     monkeypatch.setattr(workspace_mod, "counters", lambda *a, **k: handed.append(real_counters(*a, **k)) or handed[-1])

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from ..schedule import mean_prefix
+from ..resources import OutOfDeviceResources
 from ..tuning import SMALL_BATCH_MAX_PREFIX
 from ..options import VerifyOptions, split_options
 from ..validate import check_call, check_values
@@ -73,7 +74,8 @@ def cp_verify_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buff
     Raises:
         ValueError: on malformed input (and what the plan and its run raise).
         TypeError: for an unknown option, or a ``check`` or ``is_causal`` of the wrong type.
-        NotImplementedError: for calls the split path declines.
+        NotImplementedError: for calls the split path declines (among them a kernel whose compile ran
+            out of the device's resources: :class:`splitkv.resources.OutOfDeviceResources`).
     """
     opts, meta = split_options(options)
     rank, world = group_info(group)
@@ -88,7 +90,11 @@ def cp_verify_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buff
                                  max_prefix_len=opts.max_prefix_len)
     key = _signature(runner_key, layer, indptrs, meta, opts)
     plan = _plan_for(cp, key, layer, indptrs, meta, opts)
-    return _run(plan, layer, o_extend, opts.return_lse)
+    try:
+        return _run(plan, layer, o_extend, opts.return_lse)
+    except OutOfDeviceResources:  # the next call of this signature is declined when it is planned
+        _CACHES.plans.pop(key, None)
+        raise
 
 
 def _runner_for(dims, device, max_len_extend: int, max_bs: int, *, group, rank: int, world_size: int,

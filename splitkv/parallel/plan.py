@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..gate import decline
+from ..gate import Decline, admit
 from ..merge import merge_states
 from ..options import VerifyOptions, metadata_of
 from ..plan import VerifyPlan, VerifySplitKV
@@ -115,14 +115,14 @@ class ContextParallelVerify:
                                       "they need absolute positions, which a shard's kernel does not see")
         kv_indices, meta = self._local_metadata(tensors[8], meta)
         tensors = tensors[:8] + (kv_indices,)
-        found = decline(tensors, meta, opts)
-        if found is not None:  # no baseline to fall back on across ranks
+        found = admit(tensors, meta, opts)
+        if isinstance(found, Decline):  # no baseline to fall back on across ranks
             if found.malformed:
                 raise ValueError(found.reason)
             raise NotImplementedError(f"the split path declines this call: {found.reason}")
         # The local partial state always carries its LSE: the merge weighs the ranks by it.
         local = self.runner._plan(tensors, meta, opts._replace(return_lse=True),
-                                  attend_draft=self.owns_draft)
+                                  attend_draft=self.owns_draft, tile=found)
         return ContextParallelPlan(self, local, return_lse=opts.return_lse, check=opts.check)
 
     def _local_metadata(self, kv_indices, meta: dict):
@@ -281,6 +281,9 @@ class ContextParallelPlan:
                 after the all-gather: no rank is left waiting in it); with a
                 checked plan, :class:`splitkv.errors.VerifyError` for a fault the
                 local kernel found.
+            NotImplementedError: :class:`splitkv.resources.OutOfDeviceResources` where the local
+                kernel's compile runs out of the device's resources, before the all-gather (every
+                rank compiles the same kernel for the same device, so every rank declines alike).
         """
         if self.world_size > 1:
             self.run_local(q_extend, k_extend, v_extend, k_buffer, v_buffer)
