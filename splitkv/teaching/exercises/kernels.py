@@ -39,7 +39,7 @@ import triton.language as tl
 from . import Unsolved, checks, is_stub
 from .. import lessons
 from ...testing import make_problem, relative_error
-from ...validate import interpreting
+from ...launch import interpreting
 
 __all__ = ["check_merge_kernel", "check_load_q", "check_slice_kernel", "check_draft_kernel",
            "new_scratch", "run_slices", "run_draft", "run_merge", "split_kv", "unpack_tiles", "block_m_for"]
