@@ -24,7 +24,7 @@ def test_the_golden_set_covers_the_promised_problems_once_each():
 
 def test_a_case_draws_the_same_tensors_from_its_name():
     case = golden.Case("llama3-8b", 2, 40, "tree", "fp8")
-    (a, ka), (b, kb) = golden.draw(case, "cpu", torch.float16), golden.draw(case, "cpu", torch.float16)
+    (a, _), (b, _) = golden.draw(case, "cpu", torch.float16), golden.draw(case, "cpu", torch.float16)
     for x, y in zip(a, b):
         if isinstance(x, torch.Tensor):
             assert torch.equal(x.float().nan_to_num(), y.float().nan_to_num())
